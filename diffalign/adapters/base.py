@@ -1,0 +1,147 @@
+"""The model axis: one adapter per diffusers pipeline family.
+
+An adapter wraps a real diffusers pipeline and exposes exactly what samplers and algorithms
+need, so that adding a model never touches an algorithm:
+
+- ``encode_prompts``: text -> :class:`PromptEmbeds` (cond, and uncond for CFG), no grad;
+- ``predict``: the denoiser output at ``(x, t)``, with CFG done in **one** batched forward;
+- ``to_x0``: Tweedie / x0-prediction from a model output;
+- ``decode``: latents -> images in ``[0, 1]`` (fp32, ``(B, 3, H, W)``);
+- ``make_schedule``: the sampling times for ``num_steps`` steps;
+- ``denoiser``: the trainable module (LoRA goes here); ``default_lora_targets``.
+
+Time convention (``t`` everywhere below): for flow models (``prediction_type == "flow"``)
+``t`` is sigma in ``[0, 1]`` (1 = pure noise) and the model predicts velocity
+``v = eps - x0``; for epsilon models ``t`` is the integer DDPM timestep (as float) and the
+schedule ends with ``-1`` meaning "the final, clean state".
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class PromptEmbeds:
+    """Encoded prompts for a batch of B samples.
+
+    ``cond`` maps the denoiser's keyword names (e.g. ``encoder_hidden_states``,
+    ``pooled_projections``) to tensors whose first dimension is B. ``uncond`` holds the same
+    keys for the empty / negative prompt (also first dimension B) or ``None`` when CFG is off.
+    """
+
+    cond: dict[str, torch.Tensor]
+    uncond: Optional[dict[str, torch.Tensor]] = None
+
+    def __len__(self) -> int:
+        return next(iter(self.cond.values())).shape[0]
+
+    def _map(self, fn) -> "PromptEmbeds":
+        return PromptEmbeds(
+            {k: fn(v) for k, v in self.cond.items()},
+            None if self.uncond is None else {k: fn(v) for k, v in self.uncond.items()},
+        )
+
+    def select(self, index) -> "PromptEmbeds":
+        """Rows ``index`` (slice, list or LongTensor) of every tensor."""
+        return self._map(lambda v: v[index])
+
+    def repeat_interleave(self, n: int) -> "PromptEmbeds":
+        return self._map(lambda v: v.repeat_interleave(n, dim=0))
+
+    def to(self, device=None, dtype=None) -> "PromptEmbeds":
+        return self._map(lambda v: v.to(device=device, dtype=dtype if v.is_floating_point() else None))
+
+    @staticmethod
+    def cat(items: Sequence["PromptEmbeds"]) -> "PromptEmbeds":
+        cond = {k: torch.cat([e.cond[k] for e in items]) for k in items[0].cond}
+        uncond = None
+        if items[0].uncond is not None:
+            uncond = {k: torch.cat([e.uncond[k] for e in items]) for k in items[0].uncond}
+        return PromptEmbeds(cond, uncond)
+
+
+class ModelAdapter(ABC):
+    """Base class of all model adapters. See the module docstring for the contract."""
+
+    family: ClassVar[str]  # "sd3", "flux", "sd15", "shapes", ...
+    prediction_type: ClassVar[str]  # "flow" (velocity) or "epsilon"
+    default_resolution: ClassVar[int] = 512
+    default_lora_targets: ClassVar[list[str]] = []
+
+    def __init__(self, pipeline, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.pipeline = pipeline
+        self.device = torch.device(device)
+        self.dtype = dtype
+        pipeline.to(self.device)
+        # Frozen parts (text encoders, VAE) stay in `dtype`; the trainer decides about the denoiser.
+        for module in self.frozen_modules():
+            module.requires_grad_(False)
+            module.to(dtype=dtype)
+        self.denoiser.to(dtype=dtype)
+        self.denoiser.requires_grad_(False)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def from_pretrained(cls, model_id: str, *, device="cpu", dtype=torch.float32, **kwargs) -> "ModelAdapter":
+        """Load the real pipeline with ``from_pretrained`` (hub id or local folder)."""
+
+    @classmethod
+    @abstractmethod
+    def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0) -> "ModelAdapter":
+        """A tiny randomly initialised pipeline of this family built in code (offline)."""
+
+    # ---- the contract -------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def denoiser(self) -> torch.nn.Module:
+        """The trainable network (``pipeline.transformer`` or ``pipeline.unet``)."""
+
+    @abstractmethod
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """Text encoders, VAE, ...: everything that is never trained."""
+
+    @abstractmethod
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """Shape of one latent (without batch) for an image of ``height x width`` pixels."""
+
+    @abstractmethod
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
+        """Encode prompts; ``with_uncond`` also encodes the empty prompt for CFG."""
+
+    @abstractmethod
+    def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
+        """Denoiser output at ``(x, t)``; ``t`` has shape ``(B,)``. When ``guidance_scale > 1``
+        and ``embeds.uncond`` is set, uncond and cond go through one batched forward and the
+        result is ``uncond + g * (cond - uncond)``. The output has x's shape and dtype fp32."""
+
+    @abstractmethod
+    def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Tweedie estimate of the clean latent from a model output."""
+
+    @abstractmethod
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images ``(B, 3, H, W)`` fp32 in ``[0, 1]``."""
+
+    @abstractmethod
+    def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """``num_steps + 1`` times ``t_0 > t_1 > ... > t_T`` (fp32, CPU). Flow: sigmas from the
+        pipeline's scheduler config ending in 0. Epsilon: DDIM timesteps ending in -1."""
+
+    # ---- shared helpers -----------------------------------------------------------------
+    def prepare_noise(self, batch_size: int, height: int, width: int, generator=None) -> torch.Tensor:
+        """Initial noise ``x_T`` (fp32) on the adapter's device."""
+        shape = (batch_size, *self.latent_shape(height, width))
+        return torch.randn(shape, generator=generator, device=generator.device if generator is not None else "cpu").to(self.device)
+
+    def config_summary(self) -> dict:
+        """A few facts for logs and model cards."""
+        n = sum(p.numel() for p in self.denoiser.parameters())
+        return {"family": self.family, "prediction_type": self.prediction_type, "denoiser_params": n}
