@@ -1,0 +1,534 @@
+"""A procedurally generated world of coloured shapes, with GenEval-style prompts.
+
+This is diffalign's embedded default task: a tiny text-to-image model is pretrained on renders
+of this world (:mod:`diffalign.shapes.model`) and RL-aligned against a verifiable reward
+(:mod:`reward_models.shapes_eval`) that checks the same prompt semantics defined here.
+
+The world
+    Solid, axis-aligned circles, squares and upright triangles in six colours that sit 60 degrees
+    apart on the hue wheel, on a black background (black keeps every colour far from the
+    background and makes anti-aliased edges darker shades of the same hue, so segmentation by
+    distance from the background is robust). Object extents are 7-11 px at 32x32 and scale with
+    the image size; objects never overlap and keep a gap of at least 2 px (scaled).
+
+Prompts (GenEval's six families; exact grammar, lower case)
+    single_object  "a photo of a triangle"
+    two_object     "a photo of a circle and a square"               (two different shapes)
+    counting       "a photo of one circle" / "a photo of three circles"   (1-4)
+    colors         "a photo of a red square"
+    position       "a photo of a circle left of a square"            (left of, right of, above, below)
+    color_attr     "a photo of a red circle and a blue triangle"     (different shapes and colours)
+
+Semantics (what a scene must contain; shared by the sampler and the verifier)
+    Exactly the named objects and nothing else: ``count`` objects of each named shape (any colour
+    unless one is named), no extra objects. This is stricter than GenEval, which asks for at least
+    one of each object in single/two-object prompts; exact counts close the reward-hacking hole of
+    "at least one match" verifiers (which paid 36-46 % to noisy fragment images). Positions use
+    GenEval's rule on bounding-box centres (:func:`relation_holds`).
+
+Coordinates are pixels: ``x`` is the column, ``y`` the row, ``(0, 0)`` the top-left image corner.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from diffalign.errors import DiffalignError
+
+__all__ = [
+    "BACKGROUND",
+    "COLORS",
+    "FAMILIES",
+    "RELATIONS",
+    "SHAPES",
+    "ObjectSpec",
+    "PlacedObject",
+    "PromptError",
+    "PromptSpec",
+    "Scene",
+    "all_prompts",
+    "make_batch",
+    "parse_prompt",
+    "prompt_family",
+    "relation_holds",
+    "render",
+    "render_prompt",
+    "requirements_met",
+    "sample_scene",
+    "scale_for",
+    "split_prompts",
+    "vocabulary",
+]
+
+# --------------------------------------------------------------------------------------------
+# The world's constants
+# --------------------------------------------------------------------------------------------
+
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+
+# Six hues 60 degrees apart, slightly desaturated so that no channel sits exactly at 0 or 1.
+# The closest pair (red/purple, blue/purple, blue/cyan) is about 0.6 apart in RGB, far more than
+# sensor-like noise (std 0.05) or a blurred edge can bridge once a whole object is averaged.
+COLORS: dict[str, tuple[float, float, float]] = {
+    "red": (0.90, 0.10, 0.10),
+    "yellow": (0.95, 0.90, 0.10),
+    "green": (0.10, 0.80, 0.15),
+    "cyan": (0.10, 0.85, 0.90),
+    "blue": (0.15, 0.25, 0.95),
+    "purple": (0.70, 0.15, 0.85),
+}
+
+BACKGROUND: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+FAMILIES: tuple[str, ...] = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+
+RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
+
+NUMBER_WORDS: tuple[str, ...] = ("one", "two", "three", "four")  # index + 1 = count
+MAX_COUNT = len(NUMBER_WORDS)
+
+BASE_SIZE = 32  # image side the pixel constants below refer to; they scale with size / BASE_SIZE
+MIN_EXTENT_PX = 7.0  # object bounding-square side at 32x32: small enough that 4 fit, large
+MAX_EXTENT_PX = 11.0  # enough that a 7 px triangle is still told apart from a circle
+MIN_GAP_PX = 2.0  # gap between objects' bounding squares, keeps connected components separate
+EDGE_MARGIN_PX = 1.0  # objects stay this far inside the image border
+POSITION_THRESHOLD = 0.1  # GenEval: centre offsets shrink by 0.1 x (sum of extents) before the test
+POSITION_ORTHO_MAX = 0.3  # sampled position scenes: |off-axis offset| <= 0.3 x on-axis offset
+SUPERSAMPLE = 4  # sub-pixel samples per axis for anti-aliased coverage
+
+_PROMPT_HEAD = ("a", "photo", "of")
+
+
+class PromptError(DiffalignError, ValueError):
+    """A prompt is outside the world's grammar (unknown word or wrong structure)."""
+
+
+def scale_for(size: int) -> float:
+    """Pixel constants are given for 32x32 images; multiply them by this for ``size``."""
+    return size / BASE_SIZE
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt specs and the grammar
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObjectSpec:
+    """One object group a prompt asks for: ``count`` objects of ``shape`` (in ``color`` if set)."""
+
+    shape: str
+    color: str | None = None  # None: any colour
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """A parsed prompt: its normalised ``text``, ``family`` and what the image must contain.
+
+    ``relation`` (position family only) holds between ``objects[0]`` and ``objects[1]``:
+    "a circle left of a square" -> objects (circle, square), relation "left of".
+    """
+
+    text: str
+    family: str
+    objects: tuple[ObjectSpec, ...]
+    relation: str | None = None
+
+    @property
+    def num_objects(self) -> int:
+        return sum(o.count for o in self.objects)
+
+
+def vocabulary() -> list[str]:
+    """Every word any prompt of the world can use, sorted (for building a tokenizer)."""
+    words = set(_PROMPT_HEAD) | {"and"} | set(NUMBER_WORDS) | set(COLORS)
+    words |= set(SHAPES) | {_plural(s) for s in SHAPES}
+    for rel in RELATIONS:
+        words |= set(rel.split())
+    return sorted(words)
+
+
+def _plural(shape: str) -> str:
+    return shape + "s"
+
+
+def _phrase(obj: ObjectSpec, counting: bool = False) -> str:
+    if counting:
+        noun = obj.shape if obj.count == 1 else _plural(obj.shape)
+        return f"{NUMBER_WORDS[obj.count - 1]} {noun}"
+    return f"a {obj.color} {obj.shape}" if obj.color else f"a {obj.shape}"
+
+
+def _format(family: str, objects: Sequence[ObjectSpec], relation: str | None = None) -> str:
+    head = " ".join(_PROMPT_HEAD)
+    if family == "counting":
+        return f"{head} {_phrase(objects[0], counting=True)}"
+    if family in ("single_object", "colors"):
+        return f"{head} {_phrase(objects[0])}"
+    if family == "position":
+        return f"{head} {_phrase(objects[0])} {relation} {_phrase(objects[1])}"
+    return f"{head} {_phrase(objects[0])} and {_phrase(objects[1])}"  # two_object, color_attr
+
+
+def _all_specs() -> list[PromptSpec]:
+    specs: list[PromptSpec] = []
+
+    def add(family: str, objects: tuple[ObjectSpec, ...], relation: str | None = None) -> None:
+        specs.append(PromptSpec(_format(family, objects, relation), family, objects, relation))
+
+    for shape in SHAPES:
+        add("single_object", (ObjectSpec(shape),))
+        for n in range(1, MAX_COUNT + 1):
+            add("counting", (ObjectSpec(shape, count=n),))
+        for color in COLORS:
+            add("colors", (ObjectSpec(shape, color),))
+    for a, b in itertools.permutations(SHAPES, 2):
+        add("two_object", (ObjectSpec(a), ObjectSpec(b)))
+        for rel in RELATIONS:
+            add("position", (ObjectSpec(a), ObjectSpec(b)), rel)
+        for ca, cb in itertools.permutations(COLORS, 2):
+            add("color_attr", (ObjectSpec(a, ca), ObjectSpec(b, cb)))
+    return specs
+
+
+def all_prompts() -> list[str]:
+    """Every prompt of the world, sorted (243 with 3 shapes and 6 colours)."""
+    return sorted(s.text for s in _all_specs())
+
+
+def _fail(text: str, why: str) -> PromptError:
+    return PromptError(f"prompt {text!r} is outside the shapes grammar: {why}")
+
+
+def _parse_phrase(text: str, tokens: list[str]) -> tuple[ObjectSpec, bool]:
+    """Parse ``[a|<number>] [<colour>] <shape>`` -> (spec, used_number_word)."""
+    if not tokens:
+        raise _fail(text, "an object phrase is missing")
+    det, rest = tokens[0], tokens[1:]
+    if det == "a":
+        count, numbered = 1, False
+    elif det in NUMBER_WORDS:
+        count, numbered = NUMBER_WORDS.index(det) + 1, True
+    else:
+        raise _fail(text, f"expected 'a' or a number word before an object, got {det!r}")
+    color = None
+    if rest and rest[0] in COLORS:
+        color, rest = rest[0], rest[1:]
+    if len(rest) != 1:
+        raise _fail(text, f"expected one shape noun after {det!r}, got {' '.join(rest)!r}")
+    noun = rest[0]
+    want = SHAPES if count == 1 else tuple(_plural(s) for s in SHAPES)
+    if noun not in want:
+        raise _fail(text, f"{noun!r} does not agree with count {count} (use {'/'.join(want)})")
+    shape = noun if count == 1 else noun[:-1]
+    return ObjectSpec(shape, color, count), numbered
+
+
+def parse_prompt(text: str) -> PromptSpec:
+    """Parse a prompt of the world's grammar (case and extra spaces are normalised).
+
+    Raises :class:`PromptError` (a ``ValueError``) naming the unknown word, or the structural
+    problem, for anything outside the grammar.
+    """
+    if not isinstance(text, str):
+        raise PromptError(f"prompt must be a string, got {type(text).__name__}")
+    words = text.lower().split()
+    known = set(vocabulary())
+    for w in words:
+        if w not in known:
+            raise PromptError(f"unknown word {w!r} in prompt {text!r} (the shapes vocabulary is: {' '.join(sorted(known))})")
+    if tuple(words[:3]) != _PROMPT_HEAD:
+        raise _fail(text, "prompts start with 'a photo of'")
+    body = words[3:]
+
+    relation = None
+    split_at = None
+    if "and" in body:
+        split_at, width = body.index("and"), 1
+    else:
+        for i in range(len(body)):
+            for rel in RELATIONS:
+                rel_words = rel.split()
+                if body[i : i + len(rel_words)] == rel_words:
+                    split_at, width, relation = i, len(rel_words), rel
+                    break
+            if split_at is not None:
+                break
+
+    if split_at is None:  # one object phrase: single_object, colors or counting
+        obj, numbered = _parse_phrase(text, body)
+        if numbered:
+            if obj.color is not None:
+                raise _fail(text, "counting prompts name no colour")
+            family = "counting"
+        else:
+            family = "colors" if obj.color else "single_object"
+        objects = (obj,)
+    else:
+        (a, num_a), (b, num_b) = _parse_phrase(text, body[:split_at]), _parse_phrase(text, body[split_at + width :])
+        if num_a or num_b:
+            raise _fail(text, "two-object prompts use 'a', not number words")
+        if a.shape == b.shape:
+            raise _fail(text, "the two objects must be different shapes")
+        if relation is not None:
+            if a.color or b.color:
+                raise _fail(text, "position prompts name no colours")
+            family = "position"
+        elif a.color and b.color:
+            if a.color == b.color:
+                raise _fail(text, "the two objects must have different colours")
+            family = "color_attr"
+        elif a.color or b.color:
+            raise _fail(text, "name a colour for both objects or for neither")
+        else:
+            family = "two_object"
+        objects = (a, b)
+    return PromptSpec(_format(family, objects, relation), family, objects, relation)
+
+
+def prompt_family(text: str) -> str:
+    """The GenEval family of a prompt (one of :data:`FAMILIES`)."""
+    return parse_prompt(text).family
+
+
+def split_prompts(seed: int = 0, heldout_fraction: float = 0.15) -> tuple[list[str], list[str]]:
+    """Deterministic (train, heldout) split of :func:`all_prompts`, both sorted.
+
+    Held out: (1) every prompt naming one of three colour-shape pairs (one per shape, three
+    different colours, chosen by ``seed``), so those combinations never appear in training text,
+    although each colour and each shape does; (2) a ``heldout_fraction`` share of the remaining
+    prompts of each family (at least one). Every family keeps at least one training prompt.
+    """
+    rng = np.random.default_rng(seed)
+    colors = list(COLORS)
+    pair_colors = rng.permutation(len(colors))[: len(SHAPES)]
+    held_pairs = {(colors[int(c)], shape) for c, shape in zip(pair_colors, SHAPES)}
+
+    train: list[str] = []
+    heldout: list[str] = []
+    for family in FAMILIES:
+        specs = sorted((s for s in _all_specs() if s.family == family), key=lambda s: s.text)
+        novel = [s.text for s in specs if any((o.color, o.shape) in held_pairs for o in s.objects)]
+        rest = [s.text for s in specs if s.text not in novel]
+        n_extra = max(1 if not novel else 0, int(round(heldout_fraction * len(rest))))
+        n_extra = min(n_extra, len(rest) - 1)  # keep the family in train
+        pick = set(rng.permutation(len(rest))[:n_extra].tolist())
+        heldout += novel + [t for i, t in enumerate(rest) if i in pick]
+        train += [t for i, t in enumerate(rest) if i not in pick]
+    return sorted(train), sorted(heldout)
+
+
+# --------------------------------------------------------------------------------------------
+# Scenes: sampling, requirement checking, rendering
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlacedObject:
+    """A solid object: ``extent`` is the side of its axis-aligned bounding square, in pixels;
+    ``(cx, cy)`` is that square's centre (for a triangle: base at ``cy + extent/2``, apex at the
+    top, ``cy - extent/2``)."""
+
+    shape: str
+    color: str
+    cx: float
+    cy: float
+    extent: float
+
+    @property
+    def width(self) -> float:
+        return self.extent
+
+    @property
+    def height(self) -> float:
+        return self.extent
+
+
+Scene = list[PlacedObject]
+
+
+class SceneObject(Protocol):
+    """What :func:`requirements_met` needs of an object (placed or detected)."""
+
+    shape: str
+    color: str | None
+    cx: float
+    cy: float
+
+    @property
+    def width(self) -> float: ...
+
+    @property
+    def height(self) -> float: ...
+
+
+def relation_holds(a: SceneObject, b: SceneObject, relation: str) -> bool:
+    """GenEval's rule: is ``a`` <relation> ``b``, judged by bounding-box centres?
+
+    The centre offset shrinks by ``POSITION_THRESHOLD`` x the summed extents on each axis; the
+    relation holds when the shrunk offset's component along its axis, relative to the unshrunk
+    offset's length, exceeds 0.5 (a cone of about +-60 degrees). Several relations can hold.
+    """
+    if relation not in RELATIONS:
+        raise PromptError(f"unknown relation {relation!r}; expected one of {RELATIONS}")
+    off = np.array([a.cx - b.cx, a.cy - b.cy], dtype=np.float64)
+    dims = np.array([a.width + b.width, a.height + b.height], dtype=np.float64)
+    norm = float(np.linalg.norm(off))
+    if norm < 1e-6:
+        return False
+    revised = np.maximum(np.abs(off) - POSITION_THRESHOLD * dims, 0.0) * np.sign(off)
+    dx, dy = revised / norm
+    return {"left of": dx < -0.5, "right of": dx > 0.5, "above": dy < -0.5, "below": dy > 0.5}[relation]
+
+
+def requirements_met(objects: Sequence[SceneObject], spec: PromptSpec) -> dict[str, bool]:
+    """The prompt's requirements, each named and judged on ``objects``; a scene satisfies the
+    prompt iff all are True. Keys: ``count:<shape>`` (exact number of that shape),
+    ``color:<colour> <shape>`` (that many of them in the colour), ``relation``, ``no_extra``
+    (nothing besides the named objects)."""
+    met: dict[str, bool] = {}
+    for o in spec.objects:
+        same_shape = [x for x in objects if x.shape == o.shape]
+        met[f"count:{o.shape}"] = len(same_shape) == o.count
+        if o.color is not None:
+            met[f"color:{o.color} {o.shape}"] = sum(x.color == o.color for x in same_shape) == o.count
+    if spec.relation is not None:
+        a = [x for x in objects if x.shape == spec.objects[0].shape]
+        b = [x for x in objects if x.shape == spec.objects[1].shape]
+        met["relation"] = len(a) == 1 and len(b) == 1 and relation_holds(a[0], b[0], spec.relation)
+    met["no_extra"] = len(objects) == spec.num_objects
+    return met
+
+
+def _random_extent(rng: np.random.Generator, scale: float) -> float:
+    return float(rng.uniform(MIN_EXTENT_PX, MAX_EXTENT_PX)) * scale
+
+
+def _random_centre(rng: np.random.Generator, extent: float, size: int, scale: float) -> tuple[float, float]:
+    lo = EDGE_MARGIN_PX * scale + extent / 2
+    hi = size - lo
+    return float(rng.uniform(lo, hi)), float(rng.uniform(lo, hi))
+
+
+def _separated(a: PlacedObject, b: PlacedObject, gap: float) -> bool:
+    need = (a.extent + b.extent) / 2 + gap
+    return abs(a.cx - b.cx) >= need or abs(a.cy - b.cy) >= need
+
+
+def _sample_pair_with_relation(
+    spec: PromptSpec, colors: list[str], rng: np.random.Generator, size: int, scale: float
+) -> Scene:
+    """Rejection-sample two objects whose centres differ clearly along the relation's axis."""
+    a_spec, b_spec = spec.objects
+    axis_sign = {"left of": (0, -1), "right of": (0, 1), "above": (1, -1), "below": (1, 1)}[spec.relation]
+    axis, sign = axis_sign
+    gap = MIN_GAP_PX * scale
+    for _ in range(10_000):
+        ea, eb = _random_extent(rng, scale), _random_extent(rng, scale)
+        a = PlacedObject(a_spec.shape, colors[0], *_random_centre(rng, ea, size, scale), ea)
+        b = PlacedObject(b_spec.shape, colors[1], *_random_centre(rng, eb, size, scale), eb)
+        off = (a.cx - b.cx, a.cy - b.cy)
+        along, across = sign * off[axis], abs(off[1 - axis])
+        if along >= (ea + eb) / 2 + gap and across <= POSITION_ORTHO_MAX * along:
+            return [a, b]
+    raise RuntimeError(f"could not place {spec.text!r} in a {size}x{size} image")  # pragma: no cover
+
+
+def sample_scene(spec: PromptSpec | str, rng: np.random.Generator, size: int = BASE_SIZE) -> Scene:
+    """A random scene that satisfies ``spec``: exactly the named objects, random extents and
+    positions, no overlaps. Colours that the prompt does not name are drawn uniformly."""
+    if isinstance(spec, str):
+        spec = parse_prompt(spec)
+    if size < 16:
+        raise ValueError(f"size must be at least 16 pixels, got {size}")
+    scale = scale_for(size)
+    palette = list(COLORS)
+    shapes: list[str] = []
+    colors: list[str] = []
+    for o in spec.objects:
+        for _ in range(o.count):
+            shapes.append(o.shape)
+            colors.append(o.color if o.color is not None else palette[int(rng.integers(len(palette)))])
+
+    if spec.relation is not None:
+        return _sample_pair_with_relation(spec, colors, rng, size, scale)
+
+    gap = MIN_GAP_PX * scale
+    for _ in range(1000):  # restart the whole scene when an object finds no free spot
+        scene: Scene = []
+        for shape, color in zip(shapes, colors):
+            for _ in range(200):
+                extent = _random_extent(rng, scale)
+                obj = PlacedObject(shape, color, *_random_centre(rng, extent, size, scale), extent)
+                if all(_separated(obj, other, gap) for other in scene):
+                    scene.append(obj)
+                    break
+            else:
+                break
+        if len(scene) == len(shapes):
+            order = rng.permutation(len(scene))  # no link between list order and position
+            return [scene[int(i)] for i in order]
+    raise RuntimeError(f"could not place {spec.text!r} in a {size}x{size} image")  # pragma: no cover
+
+
+def _coverage(obj: PlacedObject, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Fraction of each pixel covered by ``obj``; ``xs``/``ys`` are sub-pixel sample grids of
+    shape (rows, cols, SUPERSAMPLE**2)."""
+    half = obj.extent / 2
+    dx, dy = xs - obj.cx, ys - obj.cy
+    if obj.shape == "circle":
+        inside = dx * dx + dy * dy <= half * half
+    elif obj.shape == "square":
+        inside = (np.abs(dx) <= half) & (np.abs(dy) <= half)
+    elif obj.shape == "triangle":  # apex at the top; half-width grows linearly to `half` at the base
+        depth = dy + half  # 0 at the apex row, extent at the base
+        inside = (depth >= 0) & (depth <= obj.extent) & (np.abs(dx) <= depth / 2)
+    else:
+        raise ValueError(f"unknown shape {obj.shape!r}; expected one of {SHAPES}")
+    return inside.mean(axis=-1)
+
+
+def render(scene: Sequence[PlacedObject], size: int = BASE_SIZE) -> np.ndarray:
+    """Render a scene: float32 array (3, size, size) in [0, 1], anti-aliased by supersampling."""
+    bg = np.asarray(BACKGROUND, dtype=np.float32)
+    image = np.broadcast_to(bg[:, None, None], (3, size, size)).copy()
+    offsets = (np.arange(SUPERSAMPLE) + 0.5) / SUPERSAMPLE
+    for obj in scene:
+        if obj.color not in COLORS:
+            raise ValueError(f"unknown colour {obj.color!r}; expected one of {tuple(COLORS)}")
+        half = obj.extent / 2
+        r0, r1 = max(int(np.floor(obj.cy - half)), 0), min(int(np.ceil(obj.cy + half)) + 1, size)
+        c0, c1 = max(int(np.floor(obj.cx - half)), 0), min(int(np.ceil(obj.cx + half)) + 1, size)
+        if r0 >= r1 or c0 >= c1:
+            continue
+        sub_y = (np.arange(r0, r1)[:, None] + offsets[None, :]).reshape(-1)
+        sub_x = (np.arange(c0, c1)[:, None] + offsets[None, :]).reshape(-1)
+        ys = sub_y.reshape(r1 - r0, 1, SUPERSAMPLE, 1)
+        xs = sub_x.reshape(1, c1 - c0, 1, SUPERSAMPLE)
+        ys, xs = np.broadcast_arrays(ys, xs)
+        cov = _coverage(obj, xs.reshape(r1 - r0, c1 - c0, -1), ys.reshape(r1 - r0, c1 - c0, -1))
+        color = np.asarray(COLORS[obj.color], dtype=np.float32)
+        patch = image[:, r0:r1, c0:c1]
+        image[:, r0:r1, c0:c1] = patch * (1 - cov[None]) + color[:, None, None] * cov[None]
+    return np.clip(image, 0.0, 1.0).astype(np.float32)
+
+
+def render_prompt(text: str, rng: np.random.Generator, size: int = BASE_SIZE) -> np.ndarray:
+    """Render a random ground-truth image (3, size, size) for one prompt."""
+    return render(sample_scene(parse_prompt(text), rng, size), size)
+
+
+def make_batch(prompts: Sequence[str], rng: np.random.Generator, size: int = BASE_SIZE) -> torch.Tensor:
+    """Ground-truth images for ``prompts``: float32 tensor (B, 3, size, size) in [0, 1]."""
+    if isinstance(prompts, str):
+        raise TypeError("make_batch takes a list of prompts, not a single string")
+    images = [render_prompt(p, rng, size) for p in prompts]
+    if not images:
+        return torch.zeros(0, 3, size, size, dtype=torch.float32)
+    return torch.from_numpy(np.stack(images))
