@@ -1,0 +1,286 @@
+"""CLIP score: prompt-image agreement measured by a CLIP model (transformers' ``CLIPModel``).
+
+reward = scale * cos(E_img(x), E_txt(prompt))                      (default, scale = 100)
+reward = scale * max(cos(E_img(x), E_txt(prompt)), 0)              (``clip_negative=True``)
+
+The clipped form is CLIPScore as defined by Hessel et al. 2021 ("CLIPScore: A Reference-free
+Evaluation Metric for Image Captioning"), who use w = 2.5; torchmetrics' ``CLIPScore`` uses
+w = 100, which is the default here. The unclipped form is the default because RL advantages
+need the signal below zero too (a clamp at zero gives every badly matching image the same reward).
+
+Preprocessing runs on tensors (no PIL round trip), batched and differentiable:
+resize the shortest side to the processor's size (bicubic, antialiased), centre crop to the
+processor's crop size, normalise with the processor's mean / std. The numbers are read from the
+model's ``preprocessor_config.json`` when present, else CLIP's own constants and the model's
+``vision_config.image_size``. Torch's bicubic kernel (a = -0.75) differs slightly from PIL's
+(a = -0.5), so resized pixels are close to, not identical with, ``CLIPImageProcessor``'s.
+
+``__call__`` runs without gradients (RL rewards); ``score`` keeps the graph for direct reward
+backpropagation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from diffalign.errors import RewardError
+from reward_models.base import check_images, register
+
+DEFAULT_CLIP_MODEL = "openai/clip-vit-large-patch14"
+DEFAULT_SCALE = 100.0  # torchmetrics' CLIPScore weight; Hessel et al. use 2.5
+# OpenAI CLIP's normalisation constants (same as CLIPImageProcessor's defaults).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class ClipImageTransform:
+    """Tensor version of ``CLIPImageProcessor``: ``(B, 3, H, W)`` in [0, 1] -> normalised pixels.
+
+    ``resize``: an int resizes the shortest side to it keeping the aspect ratio (the long side
+    becomes ``int(resize * long / short)`` as in transformers); ``(h, w)`` resizes to exactly that.
+    ``crop``: ``(h, w)`` of the centre crop, or None for no crop.
+    """
+
+    resize: int | tuple[int, int]
+    crop: tuple[int, int] | None
+    mean: tuple[float, float, float] = CLIP_MEAN
+    std: tuple[float, float, float] = CLIP_STD
+
+    @classmethod
+    def from_processor_config(cls, config: dict[str, Any] | None, image_size: int) -> "ClipImageTransform":
+        """From a ``preprocessor_config.json`` dict; ``None`` gives CLIP's defaults at ``image_size``."""
+        if not config:
+            return cls(resize=image_size, crop=(image_size, image_size))
+        size = config.get("size", image_size)
+        if isinstance(size, dict):
+            if "shortest_edge" in size:
+                resize: int | tuple[int, int] = int(size["shortest_edge"])
+            elif "height" in size and "width" in size:
+                resize = (int(size["height"]), int(size["width"]))
+            else:
+                raise RewardError(f"clip_score: unsupported image processor size {size!r}")
+        else:
+            resize = int(size)
+        crop = None
+        if config.get("do_center_crop", True):
+            crop_size = config.get("crop_size", image_size)
+            if isinstance(crop_size, dict):
+                crop = (int(crop_size["height"]), int(crop_size["width"]))
+            else:
+                crop = (int(crop_size), int(crop_size))
+        if config.get("do_normalize", True):
+            mean = tuple(float(v) for v in config.get("image_mean", CLIP_MEAN))
+            std = tuple(float(v) for v in config.get("image_std", CLIP_STD))
+        else:
+            mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+        return cls(resize=resize, crop=crop, mean=mean, std=std)  # type: ignore[arg-type]
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        """(h, w) after resizing and cropping an image of the given size."""
+        if self.crop is not None:
+            return self.crop
+        return self._resized_size(height, width)
+
+    def _resized_size(self, height: int, width: int) -> tuple[int, int]:
+        if isinstance(self.resize, tuple):
+            return self.resize
+        short, long = min(height, width), max(height, width)
+        new_long = int(self.resize * long / short)
+        return (self.resize, new_long) if height <= width else (new_long, self.resize)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H, W)`` in [0, 1] -> float32 ``(B, 3, h, w)`` normalised; keeps the graph."""
+        x = images.float()
+        new_h, new_w = self._resized_size(x.shape[-2], x.shape[-1])
+        if (new_h, new_w) != tuple(x.shape[-2:]):
+            x = F.interpolate(x, size=(new_h, new_w), mode="bicubic", antialias=True, align_corners=False)
+            x = x.clamp(0.0, 1.0)  # bicubic overshoots; the uint8 reference path clips here too
+        if self.crop is not None:
+            crop_h, crop_w = self.crop
+            if crop_h > new_h or crop_w > new_w:
+                raise RewardError(f"clip_score: crop {self.crop} is larger than the resized image ({new_h}, {new_w})")
+            top, left = (new_h - crop_h) // 2, (new_w - crop_w) // 2  # transformers' centre_crop offsets
+            x = x[..., top : top + crop_h, left : left + crop_w]
+        mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+        return (x - mean) / std
+
+
+def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32  # fp32 by default: bf16 is a speed choice the caller makes
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    parsed = getattr(torch, aliases.get(str(dtype), str(dtype)), None)
+    if not isinstance(parsed, torch.dtype):
+        raise RewardError(f"clip_score: unknown dtype {dtype!r}; use float32, float16 or bfloat16")
+    return parsed
+
+
+def _looks_like_path(model: str) -> bool:
+    # Hub ids are "name" or "namespace/name"; anything else is meant as a local folder.
+    return os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1 or "\\" in model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _pooled(features: Any) -> torch.Tensor:
+    # transformers 5 returns a model output with the projected embedding in pooler_output;
+    # transformers 4 returned the tensor itself.
+    return features if isinstance(features, torch.Tensor) else features.pooler_output
+
+
+@register("clip_score")
+class ClipScore:
+    """CLIP score reward; see the module docstring for the formula.
+
+    Args:
+        model: hub id or local folder with a CLIP model, its tokenizer and (optionally) its
+            ``preprocessor_config.json``.
+        device: where the CLIP model runs; images are moved there.
+        dtype: model weights' dtype (``"float32"``, ``"bfloat16"``, ...); scores are float32.
+        batch_size: images (and distinct prompts) per forward pass.
+        scale: ``w`` in ``w * cos``.
+        clip_negative: use ``w * max(cos, 0)`` (CLIPScore as published) instead of ``w * cos``.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_CLIP_MODEL,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        batch_size: int = 32,
+        scale: float = DEFAULT_SCALE,
+        clip_negative: bool = False,
+    ) -> None:
+        torch_dtype = _parse_dtype(dtype)
+        clip_model, tokenizer, processor_config = self._load(str(model), torch_dtype)
+        self._setup(clip_model, tokenizer, processor_config, device, torch_dtype, batch_size, scale, clip_negative)
+        self.model_id = str(model)
+
+    @classmethod
+    def from_components(
+        cls,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        image_processor_config: dict[str, Any] | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        batch_size: int = 32,
+        scale: float = DEFAULT_SCALE,
+        clip_negative: bool = False,
+    ) -> "ClipScore":
+        """Wrap an already-built ``CLIPModel`` and tokenizer (tests, or models shared with other code).
+
+        ``image_processor_config`` is a ``preprocessor_config.json`` dict (None: CLIP's defaults).
+        ``dtype=None`` keeps the model's own dtype. The model is moved, set to eval and frozen in place.
+        """
+        self = cls.__new__(cls)
+        torch_dtype = _parse_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
+        self._setup(model, tokenizer, image_processor_config, device, torch_dtype, batch_size, scale, clip_negative)
+        self.model_id = type(model).__name__
+        return self
+
+    @staticmethod
+    def _load(model: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, dict[str, Any] | None]:
+        if _looks_like_path(model) and not os.path.isdir(os.path.expanduser(model)):
+            raise RewardError(f"clip_score: model folder {model!r} does not exist")
+        path = os.path.expanduser(model) if _looks_like_path(model) else model
+        from transformers import AutoTokenizer, CLIPModel  # lazy: transformers takes seconds to import
+        from transformers.image_processing_utils import ImageProcessingMixin
+
+        try:
+            clip_model = CLIPModel.from_pretrained(path, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:  # OSError (offline, missing files), ValueError (bad id / config), ...
+            raise RewardError(f"clip_score: cannot load CLIP model {model!r}: {_first_line(exc)}") from None
+        try:
+            processor_config, _ = ImageProcessingMixin.get_image_processor_dict(path)
+        except (OSError, ValueError):  # no preprocessor_config.json: CLIP's defaults apply
+            processor_config = None
+        return clip_model, tokenizer, processor_config
+
+    def _setup(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        processor_config: dict[str, Any] | None,
+        device: str | torch.device | None,
+        dtype: torch.dtype,
+        batch_size: int,
+        scale: float,
+        clip_negative: bool,
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise RewardError(f"clip_score: batch_size must be a positive integer, got {batch_size!r}")
+        self.device = torch.device(device if device is not None else "cpu")
+        self.dtype = dtype
+        self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        image_size = int(model.config.vision_config.image_size)
+        self.transform = ClipImageTransform.from_processor_config(processor_config, image_size)
+        # Prompts longer than the text encoder's positions are truncated (77 tokens for OpenAI CLIP).
+        self.max_length = min(int(tokenizer.model_max_length), int(model.config.text_config.max_position_embeddings))
+        self.batch_size = batch_size
+        self.scale = float(scale)
+        self.clip_negative = bool(clip_negative)
+        self.last_info: dict[str, float] = {}
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H, W)`` in [0, 1] -> pixel values ``(B, 3, h, w)`` on the model's device and dtype."""
+        check_images(images)
+        return self.transform(images.to(self.device)).to(self.dtype)
+
+    def image_embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Preprocessed pixels ``(B, 3, h, w)`` -> unit-norm float32 embeddings ``(B, D)``."""
+        chunks = [
+            _pooled(self.model.get_image_features(pixel_values=chunk)) for chunk in pixel_values.split(self.batch_size)
+        ]
+        return F.normalize(torch.cat(chunks).float(), dim=-1)
+
+    def text_embeddings(self, prompts: Sequence[str]) -> torch.Tensor:
+        """``N`` prompts -> unit-norm float32 embeddings ``(N, D)``."""
+        chunks = []
+        for start in range(0, len(prompts), self.batch_size):
+            tokens = self.tokenizer(
+                list(prompts[start : start + self.batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            ).to(self.device)
+            features = self.model.get_text_features(
+                input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
+            )
+            chunks.append(_pooled(features))
+        return F.normalize(torch.cat(chunks).float(), dim=-1)
+
+    def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """float32 ``(B,)`` scores on the images' device; differentiable with respect to ``images``."""
+        if len(prompts) != images.shape[0]:
+            raise RewardError(f"clip_score: got {images.shape[0]} images but {len(prompts)} prompts")
+        if images.shape[0] == 0:
+            return torch.zeros(0, device=images.device)
+        image_emb = self.image_embeddings(self.preprocess(images))
+        # GRPO-style groups repeat each prompt many times: encode each distinct prompt once.
+        position = {prompt: i for i, prompt in enumerate(dict.fromkeys(prompts))}
+        text_emb = self.text_embeddings(list(position))
+        index = torch.tensor([position[p] for p in prompts], device=text_emb.device)
+        cosine = (image_emb * text_emb[index]).sum(dim=-1)  # (B,)
+        if self.clip_negative:
+            cosine = cosine.clamp(min=0.0)
+        return (self.scale * cosine).to(images.device)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
+        return self.score(images, prompts)
