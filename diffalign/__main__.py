@@ -1,0 +1,5 @@
+import sys
+
+from diffalign.cli import main
+
+sys.exit(main())

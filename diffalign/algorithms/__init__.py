@@ -1,0 +1,1 @@
+"""Algorithms as pure tensor functions: advantage estimators and losses, testable without a model."""

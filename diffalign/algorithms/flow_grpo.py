@@ -1,0 +1,126 @@
+"""Flow-GRPO: group-relative advantages and the clipped policy-gradient loss.
+
+Paper: Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL" (2025).
+Intuition: sample a group of G images per prompt with an SDE so every denoising step is a
+Gaussian policy; an image's advantage is its reward relative to its group; every trained
+step's log-probability ratio is pushed along the advantage, PPO-clipped, with a KL to the
+reference (the model with the LoRA adapter disabled).
+
+All functions are pure and work on plain tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Advantages:
+    """``advantages``: (N,) fp32; ``keep``: (N,) bool — False for samples in zero-std groups (when
+    filtering) or with non-finite rewards; ``zero_std_fraction``: fraction of groups whose
+    rewards were all equal."""
+
+    advantages: torch.Tensor
+    keep: torch.Tensor
+    zero_std_fraction: float
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    std_mode: str = "global",
+    eps: float = 1e-4,
+    clip: float = 5.0,
+    filter_zero_std: bool = True,
+    zero_std_tol: float = 1e-6,
+) -> Advantages:
+    """Per-prompt advantages ``A_i = (r_i - mean_group(i)) / (std + eps)``, clipped to ``+-clip``.
+
+    Args:
+        rewards: (N,) rewards; non-finite entries are excluded from every statistic and get A = 0.
+        group_ids: (N,) integer id of each sample's prompt group.
+        std_mode: ``"global"`` — std over all finite rewards of the batch (Flow-GRPO's default);
+            ``"group"`` — std within each group.
+        filter_zero_std: mark samples of groups whose rewards are all equal as not kept.
+    """
+    if std_mode not in ("global", "group"):
+        raise ValueError(f"std_mode must be 'global' or 'group', got {std_mode!r}")
+    rewards = rewards.float()
+    finite = torch.isfinite(rewards)
+    adv = torch.zeros_like(rewards)
+    keep = finite.clone()
+    global_std = rewards[finite].std(unbiased=False) if finite.sum() > 1 else torch.tensor(0.0)
+    groups = torch.unique(group_ids)
+    zero_std = 0
+    for g in groups:
+        member = (group_ids == g) & finite
+        r = rewards[member]
+        if r.numel() == 0:
+            continue
+        group_std = r.std(unbiased=False) if r.numel() > 1 else torch.tensor(0.0)
+        if group_std <= zero_std_tol:
+            zero_std += 1
+            if filter_zero_std:
+                keep[group_ids == g] = False
+        std = global_std if std_mode == "global" else group_std
+        adv[member] = (r - r.mean()) / (std + eps)
+    adv = adv.clamp(-clip, clip)
+    adv[~keep] = 0.0
+    return Advantages(adv, keep, zero_std / max(len(groups), 1))
+
+
+@dataclass
+class PPOLossOutput:
+    """Scalars of one micro-batch: ``loss`` (with grad) = ``policy_loss + beta * kl``."""
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    kl: torch.Tensor
+    clip_frac: torch.Tensor  # fraction of samples whose ratio left [1 - eps, 1 + eps]
+    approx_kl: torch.Tensor  # 0.5 * mean((logp - logp_old)^2), a cheap policy-drift monitor
+    ratio_mean: torch.Tensor
+
+
+def ppo_clip_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_range: float,
+    kl: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> PPOLossOutput:
+    """``mean(max(-A * rho, -A * clip(rho, 1 - eps, 1 + eps))) + beta * mean(kl)``.
+
+    ``rho = exp(logp_theta - logp_old)``; all inputs (B,); computed in fp32.
+    """
+    log_prob = log_prob.float()
+    old_log_prob = old_log_prob.float()
+    advantages = advantages.float()
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.maximum(unclipped, clipped).mean()
+    kl_mean = kl.float().mean() if kl is not None else torch.zeros((), device=log_prob.device)
+    loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
+    with torch.no_grad():
+        clip_frac = ((ratio - 1.0).abs() > clip_range).float().mean()
+        approx_kl = 0.5 * (log_ratio**2).mean()
+    return PPOLossOutput(loss, policy_loss.detach(), kl_mean.detach(), clip_frac, approx_kl, ratio.detach().mean())
+
+
+def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL between two Gaussians with the same std: ``mean((mu - mu_ref)^2) / (2 std^2)`` per sample.
+
+    ``mean``, ``ref_mean``: (B, ...); ``std``: transition std broadcastable to them. Returns (B,).
+    The mean is over non-batch dims, matching the averaged log-probabilities.
+    """
+    dims = tuple(range(1, mean.ndim))
+    std = std.float()
+    if std.ndim:  # per-sample std (B, 1, ..., 1) -> (B,)
+        std = std.reshape(std.shape[0], -1)[:, 0] if std.shape[0] == mean.shape[0] else std.reshape(-1)[0]
+    return ((mean.float() - ref_mean.float()) ** 2).mean(dim=dims) / (2 * std**2)

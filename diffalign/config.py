@@ -1,0 +1,443 @@
+"""Typed run configuration: dataclasses, loaded from YAML with ``dotted.key=value`` overrides.
+
+One config per run. Every field has a comment. Loading validates types and values and raises
+:class:`~diffalign.errors.ConfigError` with a message naming the offending key. The
+``algorithm`` section is typed by ``algorithm.name`` through :data:`ALGORITHM_CONFIGS`, so each
+algorithm owns its own knobs without touching the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from diffalign.errors import ConfigError
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    id: str = "shapes"  # hub id, local folder, "tiny:<family>", or "shapes" (the shipped default model)
+    family: str = "auto"  # sd3 | flux | sd15 | shapes | ... ; "auto" reads model_index.json
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of frozen parts and denoiser
+    resolution: int = 0  # image side in pixels; 0 = the adapter's default
+    revision: Optional[str] = None  # hub revision (branch, tag or commit)
+
+    def validate(self) -> None:
+        _check(self.resolution >= 0 and self.resolution % 8 == 0, "model.resolution", "must be 0 or a positive multiple of 8")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True  # False = full fine-tuning of the denoiser
+    rank: int = 32  # r; Flow-GRPO uses 32
+    alpha: int = 64  # scaling = alpha / rank
+    targets: Optional[list[str]] = None  # module names; None = the adapter's default_lora_targets
+    init: Literal["gaussian", "default", "zeros_b"] = "gaussian"  # peft init_lora_weights ("default" = kaiming)
+    dropout: float = 0.0
+
+    def validate(self) -> None:
+        _check(self.rank > 0, "lora.rank", "must be > 0")
+        _check(self.alpha > 0, "lora.alpha", "must be > 0")
+
+
+@dataclass
+class SamplingConfig:
+    num_steps: int = 10  # denoising steps of training rollouts (Flow-GRPO's "denoising reduction")
+    eval_num_steps: int = 40  # steps for evaluation samples (deterministic ODE)
+    guidance_scale: float = 4.5  # CFG scale in sampling and training; <= 1 disables CFG
+    kernel: Literal["flow_grpo", "cps", "dance", "ddim"] = "flow_grpo"  # SDE kernel of schedulers/
+    noise_level: float = 0.7  # a (flow_grpo), a (cps), eta (dance, ddim)
+    std_schedule: Literal["cps", "stepwise"] = "cps"  # only for kernel=cps (see schedulers.cps_sde_step)
+    # SDE window (Flow-GRPO-Fast / MixGRPO): SDE (stochastic, trainable) only on `window_size`
+    # consecutive steps, deterministic ODE elsewhere. 0 = SDE on every step.
+    window_size: int = 0
+    window_mode: Literal["fixed", "sliding", "random"] = "fixed"  # sliding: MixGRPO; random: Flow-GRPO-Fast
+    window_start: int = 0  # first SDE step (fixed / initial position of the sliding window)
+    window_slide_every: int = 1  # iterations between slides (sliding mode)
+    window_stride: int = 1  # steps moved per slide; wraps to window_start past the end
+
+    def validate(self) -> None:
+        _check(self.num_steps >= 1, "sampling.num_steps", "must be >= 1")
+        _check(self.eval_num_steps >= 1, "sampling.eval_num_steps", "must be >= 1")
+        _check(self.noise_level >= 0, "sampling.noise_level", "must be >= 0")
+        _check(0 <= self.window_size <= self.num_steps, "sampling.window_size", f"must be in [0, num_steps={self.num_steps}]")
+        if self.window_size:
+            _check(0 <= self.window_start <= self.num_steps - self.window_size, "sampling.window_start",
+                   f"must be in [0, num_steps - window_size = {self.num_steps - self.window_size}]")
+        _check(self.window_slide_every >= 1, "sampling.window_slide_every", "must be >= 1")
+        _check(self.window_stride >= 1, "sampling.window_stride", "must be >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_iteration: int = 4  # distinct prompts per iteration (per process)
+    group_size: int = 8  # images per prompt (G); advantages are computed within these groups
+    sample_batch_size: int = 8  # samples per batched forward during rollouts
+    overlap_rewards: bool = True  # score batch k in a worker thread while batch k+1 is sampled
+
+    def validate(self) -> None:
+        _check(self.prompts_per_iteration >= 1, "rollout.prompts_per_iteration", "must be >= 1")
+        _check(self.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages need a group)")
+        _check(self.sample_batch_size >= 1, "rollout.sample_batch_size", "must be >= 1")
+
+
+@dataclass
+class RewardConfig:
+    name: str = "shapes_eval"  # registered name or dotted path (see reward_models)
+    kwargs: dict = field(default_factory=dict)  # passed to the reward factory
+    nonfinite: Literal["error", "skip"] = "error"  # NaN/inf rewards: stop with a clear error, or drop those samples (counted)
+
+
+@dataclass
+class PromptsConfig:
+    source: Literal["shapes", "list", "file"] = "shapes"  # shapes = the ShapesWorld train/held-out split
+    train: list[str] = field(default_factory=list)  # for source=list
+    eval: list[str] = field(default_factory=list)  # for source=list; empty = the train prompts
+    file: Optional[str] = None  # for source=file: one prompt per line
+    eval_file: Optional[str] = None
+    families: list[str] = field(default_factory=list)  # source=shapes: restrict to these task families
+
+    def validate(self) -> None:
+        if self.source == "list":
+            _check(len(self.train) > 0, "prompts.train", "must list at least one prompt when prompts.source=list")
+        if self.source == "file":
+            _check(self.file is not None, "prompts.file", "is required when prompts.source=file")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max grad norm; 0 disables clipping
+    use_8bit_adam: bool = False  # bitsandbytes AdamW8bit (GPU only)
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "optim.lr", "must be > 0")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two numbers in [0, 1)")
+        _check(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
+
+
+@dataclass
+class EmaConfig:
+    enabled: bool = True
+    decay: float = 0.9  # Flow-GRPO: 0.9 ...
+    every: int = 8  # ... applied every 8 optimizer steps
+
+    def validate(self) -> None:
+        _check(0 <= self.decay < 1, "train.ema.decay", "must be in [0, 1)")
+        _check(self.every >= 1, "train.ema.every", "must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 8  # samples per training micro-batch (per process)
+    optimizer_steps_per_iteration: int = 1  # gradients accumulate over samples x timesteps in between
+    inner_epochs: int = 1  # passes over the iteration's samples
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # accelerate autocast
+    gradient_checkpointing: bool = False
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    self_check: bool = True  # stop if the on-policy ratio before any update is not 1
+    self_check_tolerance: float = 1e-3  # max |log ratio| allowed by the self-check
+    max_nonfinite_losses: int = 3  # consecutive skipped optimizer steps before stopping
+
+    def validate(self) -> None:
+        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
+        _check(self.optimizer_steps_per_iteration >= 1, "train.optimizer_steps_per_iteration", "must be >= 1")
+        _check(self.inner_epochs >= 1, "train.inner_epochs", "must be >= 1")
+        self.ema.validate()
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # evaluate every N iterations (0 = only before training and at the end)
+    num_prompts: int = 0  # 0 = all eval prompts
+    samples_per_prompt: int = 1
+    batch_size: int = 16
+    seed: int = 1234  # eval noise seed: before/after samples share it
+    at_start: bool = True  # evaluate the base model before the first update
+    use_ema: bool = True  # evaluate (and export as final/) the EMA weights when EMA is enabled
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 5  # iterations between checkpoints (0 = only the final one)
+    keep_last: int = 2  # older checkpoints are deleted
+
+
+@dataclass
+class LogConfig:
+    progress_bar: bool = True
+    report: bool = True  # write report.md with plots and sample grids at the end
+
+
+# --------------------------------------------------------------------------------------------
+# Algorithms: each registers its own config dataclass under its name
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "flow_grpo"
+
+
+@dataclass
+class FlowGRPOConfig(AlgorithmConfig):
+    name: str = "flow_grpo"
+    advantage_std: Literal["global", "group"] = "global"  # std over the whole batch (paper) or per prompt group
+    advantage_clip: float = 5.0  # A clipped to +- this
+    advantage_eps: float = 1e-4  # A = (r - mean) / (std + eps)
+    filter_zero_std_groups: bool = True  # drop groups whose rewards are all equal
+    clip_range: float = 1e-4  # PPO epsilon
+    beta: float = 0.04  # KL weight against the adapter-disabled reference; 0 disables the reference forward
+    train_timestep_fraction: float = 0.99  # fraction of SDE steps trained per sample (0.99 of 10 -> 9)
+    timestep_selection: Literal["first", "random"] = "first"  # which SDE steps: the first ones, or random per sample
+    logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims
+
+    def validate(self) -> None:
+        _check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
+        _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
+        _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
+        _check(0 < self.train_timestep_fraction <= 1, "algorithm.train_timestep_fraction", "must be in (0, 1]")
+
+
+ALGORITHM_CONFIGS: dict[str, type[AlgorithmConfig]] = {"flow_grpo": FlowGRPOConfig}
+
+
+def register_algorithm_config(name: str):
+    def deco(cls):
+        ALGORITHM_CONFIGS[name] = cls
+        return cls
+
+    return deco
+
+
+# --------------------------------------------------------------------------------------------
+# The run config
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/default"  # run directory: config.yaml, metrics.jsonl, checkpoints/, final/
+    seed: int = 0  # seeds prompts, noise and initialisation; a resumed run continues the same streams
+    max_iterations: int = 10  # rollout + update iterations
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    algorithm: AlgorithmConfig = field(default_factory=FlowGRPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def validate(self) -> None:
+        _check(self.max_iterations >= 0, "max_iterations", "must be >= 0")
+        _check(bool(self.output_dir), "output_dir", "must not be empty")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if hasattr(value, "validate"):
+                value.validate()
+
+    # derived numbers, printed at start -------------------------------------------------
+    def derived(self, num_processes: int = 1) -> dict[str, int]:
+        per_proc = self.rollout.prompts_per_iteration * self.rollout.group_size
+        sde_steps = self.sampling.window_size or self.sampling.num_steps
+        frac = getattr(self.algorithm, "train_timestep_fraction", 1.0)
+        trained = max(1, int(sde_steps * frac + 1e-9)) if frac < 1 else sde_steps
+        micro = math.ceil(per_proc / self.train.batch_size) * trained * self.train.inner_epochs
+        return {
+            "images_per_iteration": per_proc * num_processes,
+            "sde_steps": sde_steps,
+            "trained_steps_per_sample": trained,
+            "micro_batches_per_iteration": micro,
+            "optimizer_steps_per_iteration": self.train.optimizer_steps_per_iteration * self.train.inner_epochs,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' {message}")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check / convert ``value`` to the annotated type ``tp``; errors name ``key``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"config key '{key}' has an invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(str, args))}; got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}' must be a list; got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping; got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' must be true or false; got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"config key '{key}' must be an integer; got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config key '{key}' must be a number; got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config key '{key}' must be a string; got {value!r}")
+    return value
+
+
+def from_dict(cls, data: Any, prefix: str = ""):
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys (named in the error)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix or '<root>'}' must be a mapping; got {data!r}")
+    if cls is AlgorithmConfig or (prefix == "algorithm" and issubclass(cls, AlgorithmConfig)):
+        name = data.get("name", "flow_grpo")
+        _ensure_algorithms_registered()
+        if name not in ALGORITHM_CONFIGS:
+            raise ConfigError(f"config key 'algorithm.name' is unknown: {name!r}; known: {', '.join(sorted(ALGORITHM_CONFIGS))}")
+        cls = ALGORITHM_CONFIGS[name]
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            full = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(f"unknown config key '{full}' (known in this section: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            full = f"{prefix}.{f.name}" if prefix else f.name
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name], full)
+    return cls(**kwargs)
+
+
+def _ensure_algorithms_registered() -> None:
+    # Algorithms outside this module register their configs on import.
+    import importlib
+
+    importlib.import_module("diffalign.recipes")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like dotted.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise ConfigError(f"override {text!r}: '{part}' is not a section")
+            node = node[part]
+        node[path[-1]] = value
+    return data
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
+    """YAML file (optional) + ``key=value`` overrides -> validated :class:`RunConfig`."""
+    data = dict(base or {})
+    if path is not None:
+        data.update(read_yaml(path))
+    data = apply_overrides(data, list(overrides))
+    cfg = from_dict(RunConfig, data)
+    cfg.validate()
+    return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

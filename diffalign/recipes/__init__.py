@@ -1,0 +1,35 @@
+"""Recipes: one trainer per algorithm, found by ``algorithm.name``.
+
+A recipe module defines its config dataclass (registered with
+:func:`diffalign.config.register_algorithm_config`) and a :class:`~diffalign.trainer.Trainer`
+subclass registered here with :func:`register_recipe`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from diffalign.errors import ConfigError
+
+_RECIPES: dict[str, str] = {
+    "flow_grpo": "diffalign.recipes.flow_grpo:FlowGRPOTrainer",
+}
+
+
+def register_recipe(name: str, target: str) -> None:
+    _RECIPES[name] = target
+
+
+def available() -> list[str]:
+    return sorted(_RECIPES)
+
+
+def trainer_class(name: str):
+    if name not in _RECIPES:
+        raise ConfigError(f"config key 'algorithm.name' is unknown: {name!r}; known: {', '.join(available())}")
+    module, _, attr = _RECIPES[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_trainer(cfg, **kwargs):
+    return trainer_class(cfg.algorithm.name)(cfg, **kwargs)

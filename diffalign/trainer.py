@@ -1,0 +1,533 @@
+"""The trainer: everything an algorithm needs that is not the algorithm.
+
+:class:`Trainer` owns devices, precision and processes (accelerate), seeding, the model adapter,
+LoRA or full fine-tuning, the optimiser, EMA weights, prompts, rewards, evaluation, metrics,
+checkpoints, resume and the final export. An algorithm subclasses it and implements
+:meth:`Trainer.iteration` (rollout -> rewards -> advantages -> update) using pure functions from
+:mod:`diffalign.algorithms` and samplers from :mod:`diffalign.sampling`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+import reward_models
+from diffalign import runs
+from diffalign.adapters import load_adapter
+from diffalign.adapters.base import ModelAdapter
+from diffalign.config import RunConfig, dump_config, to_dict
+from diffalign.errors import ConfigError, DiffalignError, NonFiniteError, RewardError
+from diffalign.sampling import build_kernel, sample_images
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class SelfCheckError(DiffalignError):
+    """The on-policy ratio before any update was not 1: sampler and training forward disagree."""
+
+
+# --------------------------------------------------------------------------------------------
+# Small stateful helpers (all with state_dict / load_state_dict for exact resume)
+# --------------------------------------------------------------------------------------------
+
+
+class PromptSampler:
+    """Cycles through the prompts in a fresh random order every epoch; deterministic per seed."""
+
+    def __init__(self, prompts: Sequence[str], seed: int):
+        if not prompts:
+            raise ConfigError("config key 'prompts' yields no training prompts")
+        self.prompts = list(prompts)
+        self.rng = np.random.default_rng(seed)
+        self.order = self.rng.permutation(len(self.prompts))
+        self.pos = 0
+        self.epoch = 0
+
+    def next(self, n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            if self.pos == len(self.order):
+                self.order = self.rng.permutation(len(self.prompts))
+                self.pos = 0
+                self.epoch += 1
+            out.append(self.prompts[self.order[self.pos]])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.bit_generator.state, "order": self.order.tolist(), "pos": self.pos, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.order = np.asarray(state["order"])
+        self.pos = state["pos"]
+        self.epoch = state["epoch"]
+
+
+class EMA:
+    """Exponential moving average of the trainable parameters, for evaluation and export.
+
+    Flow-GRPO applies ``ema = decay * ema + (1 - decay) * theta`` every ``every`` optimizer steps
+    (decay 0.9, every 8), i.e. a short memory that smooths the last few updates.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, every: int):
+        self.params = params
+        self.decay = decay
+        self.every = every
+        self.shadow = [p.detach().clone().float() for p in params]
+        self.steps = 0
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.steps += 1
+        if self.steps % self.every:
+            return
+        for s, p in zip(self.shadow, self.params):
+            s.mul_(self.decay).add_(p.detach().float(), alpha=1 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Temporarily load the EMA weights into the model."""
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for s, p in zip(self.shadow, self.params):
+                p.copy_(s.to(p.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, p in zip(backup, self.params):
+                    p.copy_(b)
+
+    def state_dict(self) -> dict:
+        return {"shadow": [s.clone() for s in self.shadow], "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        for s, v in zip(self.shadow, state["shadow"]):
+            s.copy_(v)
+        self.steps = state["steps"]
+
+
+def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """(train prompts, eval prompts) from ``cfg.prompts``."""
+    p = cfg.prompts
+    if p.source == "shapes":
+        from diffalign.shapes import prompt_family, split_prompts
+
+        train, heldout = split_prompts()
+        if p.families:
+            unknown = sorted(set(p.families) - {prompt_family(x) for x in train + heldout})
+            if unknown:
+                raise ConfigError(f"config key 'prompts.families' has unknown families: {', '.join(unknown)}")
+            train = [x for x in train if prompt_family(x) in p.families]
+            heldout = [x for x in heldout if prompt_family(x) in p.families]
+        return train, heldout
+    if p.source == "list":
+        return list(p.train), list(p.eval or p.train)
+
+    def read(path: str, key: str) -> list[str]:
+        f = Path(path)
+        if not f.is_file():
+            raise ConfigError(f"config key '{key}': prompt file {path!r} does not exist")
+        lines = [line.strip() for line in f.read_text().splitlines() if line.strip()]
+        if not lines:
+            raise ConfigError(f"config key '{key}': prompt file {path!r} is empty")
+        return lines
+
+    train = read(p.file, "prompts.file")
+    return train, read(p.eval_file, "prompts.eval_file") if p.eval_file else train
+
+
+def image_grid(images: torch.Tensor, nrow: int) -> np.ndarray:
+    """(N, 3, H, W) in [0, 1] -> uint8 (rows*H + pad, nrow*W + pad, 3) grid with 1px gaps."""
+    n, _, h, w = images.shape
+    rows = math.ceil(n / nrow)
+    grid = np.ones((rows * (h + 1) + 1, nrow * (w + 1) + 1, 3), dtype=np.uint8) * 255
+    arr = (images.clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    for i in range(n):
+        r, c = divmod(i, nrow)
+        grid[1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + c * (w + 1) : 1 + c * (w + 1) + w] = arr[i]
+    return grid
+
+
+def save_png(array: np.ndarray, path: Path, scale: int = 1) -> None:
+    from PIL import Image
+
+    img = Image.fromarray(array)
+    if scale > 1:
+        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Base trainer; subclasses implement :meth:`iteration`. See the module docstring."""
+
+    #: algorithms whose reference model is needed (KL) set this from their config
+    needs_reference: bool = False
+
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, log: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir)
+        self.resume = resume
+        self.overwrite = overwrite
+        self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.stats: dict = {"nonfinite_rewards": 0, "nonfinite_losses": 0, "skipped_steps": 0}
+        self.start_iteration = 0
+        self._consecutive_bad_steps = 0
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    # ---- setup ------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        cfg = self.cfg
+        # Validate everything that needs no model before touching the run directory.
+        self.train_prompts, self.eval_prompts = resolve_prompts(cfg)
+        self.reward_fn = reward_models.build(cfg.reward.name, device="cpu", **cfg.reward.kwargs)
+        runs.prepare_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)
+
+        self.accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=not torch.cuda.is_available())
+        self.device = self.accelerator.device
+        set_seed(cfg.seed + self.accelerator.process_index)
+        self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device, dtype=DTYPES[cfg.model.dtype])
+        self.resolution = cfg.model.resolution or self.adapter.default_resolution
+        if self.device.type != "cpu" and cfg.reward.name:
+            # rebuild on the accelerator when it has one (rewards take a device argument)
+            self.reward_fn = reward_models.build(cfg.reward.name, device=str(self.device), **cfg.reward.kwargs)
+        self._setup_trainable()
+        self.kernel = build_kernel(
+            self.adapter, cfg.sampling.kernel, cfg.sampling.noise_level,
+            std_schedule=cfg.sampling.std_schedule, reduction=getattr(cfg.algorithm, "logprob_reduction", "mean"),
+        )
+        self.generator = torch.Generator("cpu").manual_seed(cfg.seed * 1000 + self.accelerator.process_index)
+        self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
+        self.metrics = runs.MetricsLog(self.run_dir / "metrics.jsonl")
+        if self.resume:
+            self._load_latest()
+        else:
+            runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
+
+    def _setup_trainable(self) -> None:
+        cfg = self.cfg
+        denoiser = self.adapter.denoiser
+        self.ref_denoiser = None
+        if cfg.lora.enabled:
+            from peft import LoraConfig
+
+            targets = cfg.lora.targets or list(self.adapter.default_lora_targets)
+            init = {"gaussian": "gaussian", "default": True, "zeros_b": True}[cfg.lora.init]
+            lora = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                              init_lora_weights=init, target_modules=targets)
+            try:
+                denoiser.add_adapter(lora)
+            except ValueError as exc:
+                raise ConfigError(f"config key 'lora.targets' {targets} does not fit the denoiser: {str(exc).splitlines()[0]}") from None
+        else:
+            denoiser.requires_grad_(True)
+            if self.needs_reference:
+                self.ref_denoiser = copy.deepcopy(denoiser).requires_grad_(False).eval()
+        if cfg.train.gradient_checkpointing and hasattr(denoiser, "enable_gradient_checkpointing"):
+            denoiser.enable_gradient_checkpointing()
+        self.trainable_names = [n for n, p in denoiser.named_parameters() if p.requires_grad]
+        self.trainable = [p for p in denoiser.parameters() if p.requires_grad]
+        for p in self.trainable:  # trainable weights in fp32 whatever the model dtype (mixed precision)
+            p.data = p.data.float()
+        if not self.trainable:
+            raise ConfigError("config key 'lora' leaves no trainable parameters")
+        opt = cfg.optim
+        if opt.use_8bit_adam:
+            try:
+                import bitsandbytes as bnb
+            except ImportError:
+                raise ConfigError("config key 'optim.use_8bit_adam' needs bitsandbytes (pip install 'diffalign[gpu]')") from None
+            optim_cls = bnb.optim.AdamW8bit
+        else:
+            optim_cls = torch.optim.AdamW
+        self.optimizer = optim_cls(self.trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+        self.optimizer = self.accelerator.prepare(self.optimizer)
+        self.ema = EMA(self.trainable, cfg.train.ema.decay, cfg.train.ema.every) if cfg.train.ema.enabled else None
+
+    @contextlib.contextmanager
+    def reference_model(self) -> Iterator[None]:
+        """The frozen reference: the same network with the LoRA adapter disabled (no second copy),
+        or for full fine-tuning a frozen copy taken at the start."""
+        denoiser = self.adapter.denoiser
+        if self.cfg.lora.enabled:
+            denoiser.disable_adapters()
+            try:
+                yield
+            finally:
+                denoiser.enable_adapters()
+            return
+        if self.ref_denoiser is None:
+            raise RuntimeError("no reference model: set needs_reference before setup()")
+        attr = next(name for name, module in self.adapter.pipeline.components.items() if module is denoiser)
+        setattr(self.adapter.pipeline, attr, self.ref_denoiser)
+        try:
+            yield
+        finally:
+            setattr(self.adapter.pipeline, attr, denoiser)
+
+    # ---- helpers for algorithms -------------------------------------------------------------
+    def log(self, message: str) -> None:
+        if self.accelerator.is_main_process:
+            self._log(message)
+
+    def autocast(self):
+        return self.accelerator.autocast()
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
+        """Call the reward, validate the output (shape) and return (rewards (B,), info)."""
+        metadata = metadata if metadata is not None else [{} for _ in prompts]
+        value = self.reward_fn(images, prompts, metadata)
+        rewards = reward_models.check_reward_output(self.cfg.reward.name, value, len(prompts))
+        info = dict(getattr(self.reward_fn, "last_info", None) or {})
+        return rewards, info
+
+    def score_async(self, images: torch.Tensor, prompts: list[str]):
+        """Submit scoring to a worker thread (overlaps the next batch's sampling)."""
+        if not self.cfg.rollout.overlap_rewards:
+            done = self.score(images, prompts)
+            return _Done(done)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        return self._pool.submit(self.score, images.cpu(), prompts)
+
+    def check_rewards(self, rewards: torch.Tensor, iteration: int) -> torch.Tensor:
+        """Count non-finite rewards; stop (``reward.nonfinite=error``) or leave them for masking."""
+        bad = int((~torch.isfinite(rewards)).sum())
+        if bad:
+            self.stats["nonfinite_rewards"] += bad
+            if self.cfg.reward.nonfinite == "error":
+                raise RewardError(
+                    f"reward {self.cfg.reward.name!r} returned {bad} non-finite values (NaN/inf) of {len(rewards)} at iteration {iteration}"
+                    " (set reward.nonfinite=skip to drop such samples)"
+                )
+        return rewards
+
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Clip, check and apply the accumulated gradients. Returns (grad_norm, applied)."""
+        params = self.trainable
+        if self.cfg.optim.grad_clip > 0:
+            norm = float(self.accelerator.clip_grad_norm_(params, self.cfg.optim.grad_clip))
+        else:
+            norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.stats["skipped_steps"] += 1
+            self._consecutive_bad_steps += 1
+            if self._consecutive_bad_steps > self.cfg.train.max_nonfinite_losses:
+                raise NonFiniteError(
+                    f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite gradients; stopping"
+                    " (lower optim.lr or check the reward)"
+                )
+            return norm, False
+        self._consecutive_bad_steps = 0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        return norm, True
+
+    def eval_weights(self):
+        """Context: EMA weights when enabled and configured, else the current weights."""
+        if self.ema is not None and self.cfg.eval.use_ema:
+            return self.ema.swapped_in()
+        return contextlib.nullcontext()
+
+    # ---- evaluation -------------------------------------------------------------------------
+    def evaluate(self, iteration: int, *, save_grid: bool = True) -> dict:
+        cfg = self.cfg.eval
+        prompts = self.eval_prompts[: cfg.num_prompts] if cfg.num_prompts else list(self.eval_prompts)
+        prompts = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
+        t0 = time.perf_counter()
+        self.adapter.denoiser.eval()
+        with self.eval_weights():
+            with self.autocast():
+                images = sample_images(self.adapter, prompts, num_steps=self.cfg.sampling.eval_num_steps,
+                                       guidance_scale=self.cfg.sampling.guidance_scale, resolution=self.resolution,
+                                       seed=cfg.seed, batch_size=cfg.batch_size)
+        rewards, info = self.score(images, prompts)
+        record = {"iteration": iteration, "eval": True, "eval/reward_mean": float(rewards[torch.isfinite(rewards)].mean()),
+                  "eval/num_images": len(prompts), "eval/seconds": time.perf_counter() - t0}
+        record.update({f"eval/{k}": v for k, v in info.items()})
+        if save_grid and self.accelerator.is_main_process:
+            n = min(len(images), 64)
+            save_png(image_grid(images[:n], nrow=8), self.run_dir / "samples" / f"eval-iter-{iteration:06d}.png", scale=2)
+        return record
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_dict(self, next_iteration: int) -> dict:
+        return {
+            "iteration": next_iteration,
+            "trainable": {n: p.detach().cpu().clone() for n, p in zip(self.trainable_names, self.trainable)},
+            "optimizer": self.optimizer.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "generator": self.generator.get_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
+            "prompts": self.prompt_sampler.state_dict(),
+            "stats": dict(self.stats),
+            "extra": self.extra_state(),
+            "config": to_dict(self.cfg),
+        }
+
+    def extra_state(self) -> dict:
+        """Algorithm-specific state to checkpoint (override)."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
+
+    def _load_latest(self) -> None:
+        ckpt = runs.latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            raise runs.RunDirError(f"cannot resume {str(self.run_dir)!r}: it has no checkpoint yet")
+        state = runs.load_checkpoint(ckpt)
+        saved = state.get("config", {})
+        current = to_dict(self.cfg)
+        ignore = {"max_iterations", "output_dir", "log", "checkpoint", "eval"}
+        changed = sorted(k for k in current if k not in ignore and saved.get(k) != current[k])
+        if changed:
+            self.log(f"warning: resuming with changed config sections: {', '.join(changed)}")
+        names = dict(zip(self.trainable_names, self.trainable))
+        missing = set(names) - set(state["trainable"])
+        if missing:
+            raise runs.RunDirError(f"checkpoint {str(ckpt)!r} does not match the model: {len(missing)} trainable tensors missing")
+        with torch.no_grad():
+            for n, p in names.items():
+                p.copy_(state["trainable"][n].to(p.device, p.dtype))
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
+        rng = state["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        self.generator.set_state(rng["generator"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.prompt_sampler.load_state_dict(state["prompts"])
+        self.stats.update(state["stats"])
+        self.load_extra_state(state.get("extra") or {})
+        self.start_iteration = state["iteration"]
+        self.metrics.truncate_from(self.start_iteration)
+        runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
+        self.log(f"resumed from {ckpt} at iteration {self.start_iteration}")
+
+    def save_checkpoint(self, next_iteration: int) -> None:
+        if self.accelerator.is_main_process:
+            runs.save_checkpoint(self.run_dir, next_iteration, self.state_dict(next_iteration), self.cfg.checkpoint.keep_last)
+
+    # ---- final export -----------------------------------------------------------------------
+    def save_final(self, iteration: int) -> Path:
+        """``final/``: LoRA weights (``pipeline.load_lora_weights(final/)``) or the full pipeline
+        (``DiffusionPipeline.from_pretrained(final/)``), the EMA weights when eval uses them."""
+        from diffalign.export import save_trained_weights
+
+        final = self.run_dir / "final"
+        if self.accelerator.is_main_process:
+            with self.eval_weights():
+                save_trained_weights(self.adapter, final, lora=self.cfg.lora.enabled, metadata={
+                    "base_model": self.cfg.model.id, "family": self.adapter.family,
+                    "algorithm": self.cfg.algorithm.name, "reward": self.cfg.reward.name,
+                    "iterations": iteration, "ema": self.ema is not None and self.cfg.eval.use_ema,
+                    "lora": to_dict(self.cfg.lora) if self.cfg.lora.enabled else None,
+                })
+        return final
+
+    # ---- main loop --------------------------------------------------------------------------
+    def iteration(self, iteration: int) -> dict:
+        raise NotImplementedError
+
+    def print_header(self) -> None:
+        d = self.cfg.derived(self.accelerator.num_processes)
+        n_train = sum(p.numel() for p in self.trainable)
+        self.log(f"diffalign: {self.cfg.algorithm.name} on {self.cfg.model.id} ({self.adapter.family}, {self.resolution}px) "
+                 f"-> {self.run_dir}")
+        self.log("  " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in d.items())
+                 + f", trainable params {n_train:,}, processes {self.accelerator.num_processes}, device {self.device}")
+
+    def train(self) -> dict:
+        """Run to ``max_iterations``; returns the last eval record (or {})."""
+        from tqdm.auto import tqdm
+
+        self.setup()
+        self.print_header()
+        cfg = self.cfg
+        last_eval: dict = {}
+        try:
+            if self.start_iteration == 0 and cfg.eval.at_start:
+                last_eval = self.evaluate(0)
+                self.metrics.write(last_eval)
+                self.log("  eval before training: " + _fmt_eval(last_eval))
+            bar = tqdm(range(self.start_iteration, cfg.max_iterations), initial=self.start_iteration, total=cfg.max_iterations,
+                       desc="iterations", disable=not (cfg.log.progress_bar and self.accelerator.is_main_process), file=sys.stderr)
+            for it in bar:
+                t0 = time.perf_counter()
+                record = self.iteration(it)
+                record = {"iteration": it, **record, "seconds": time.perf_counter() - t0, **{k: v for k, v in self.stats.items()}}
+                self.metrics.write(record)
+                bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}", loss=f"{record.get('loss', float('nan')):.4f}")
+                done = it + 1
+                if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.max_iterations:
+                    last_eval = self.evaluate(done)
+                    self.metrics.write(last_eval)
+                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
+                    self.save_checkpoint(done)
+            bar.close()
+            final_iteration = max(cfg.max_iterations, self.start_iteration)
+            if not runs.latest_checkpoint(self.run_dir) or runs.latest_checkpoint(self.run_dir).name != f"{runs.CHECKPOINT_PREFIX}{final_iteration:06d}":
+                self.save_checkpoint(final_iteration)
+            last_eval = self.evaluate(final_iteration)
+            self.metrics.write(last_eval)
+            self.log("  eval after training: " + _fmt_eval(last_eval))
+            self.save_final(final_iteration)
+            if cfg.log.report and self.accelerator.is_main_process:
+                from diffalign.report import write_report
+
+                write_report(self.run_dir)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+        return last_eval
+
+
+class _Done:
+    """A finished 'future' (used when reward overlap is off)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def _fmt_eval(record: dict) -> str:
+    keys = [k for k in record if k.startswith("eval/") and k not in ("eval/seconds", "eval/num_images")]
+    return ", ".join(f"{k[5:]} {record[k]:.3f}" for k in keys if isinstance(record[k], (int, float)))
