@@ -72,7 +72,7 @@ __all__ = [
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 
 # Six hues 60 degrees apart, slightly desaturated so that no channel sits exactly at 0 or 1.
-# The closest pair (red/purple, blue/purple, blue/cyan) is about 0.6 apart in RGB, far more than
+# The closest pairs (blue/purple 0.57, blue/cyan 0.60) are far further apart in RGB than
 # sensor-like noise (std 0.05) or a blurred edge can bridge once a whole object is averaged.
 COLORS: dict[str, tuple[float, float, float]] = {
     "red": (0.90, 0.10, 0.10),
