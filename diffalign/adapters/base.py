@@ -81,8 +81,8 @@ class ModelAdapter(ABC):
         # Frozen parts (text encoders, VAE) stay in `dtype`; the trainer decides about the denoiser.
         for module in self.frozen_modules():
             module.requires_grad_(False)
-            module.to(dtype=dtype)
-        self.denoiser.to(dtype=dtype)
+            _cast(module, dtype)
+        _cast(self.denoiser, dtype)
         self.denoiser.requires_grad_(False)
 
     # ---- construction -------------------------------------------------------------------
@@ -93,8 +93,9 @@ class ModelAdapter(ABC):
 
     @classmethod
     @abstractmethod
-    def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0) -> "ModelAdapter":
-        """A tiny randomly initialised pipeline of this family built in code (offline)."""
+    def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "ModelAdapter":
+        """A tiny randomly initialised pipeline of this family built in code (offline);
+        ``kwargs`` are adapter options (as for ``from_pretrained``)."""
 
     # ---- the contract -------------------------------------------------------------------
     @property
@@ -145,3 +146,10 @@ class ModelAdapter(ABC):
         """A few facts for logs and model cards."""
         n = sum(p.numel() for p in self.denoiser.parameters())
         return {"family": self.family, "prediction_type": self.prediction_type, "denoiser_params": n}
+
+
+def _cast(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` only when some floating-point parameter differs: diffusers' ``to``
+    warns on every dtype cast (and refuses one on quantized models), even a no-op."""
+    if any(p.is_floating_point() and p.dtype != dtype for p in module.parameters()):
+        module.to(dtype=dtype)

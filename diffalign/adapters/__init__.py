@@ -1,0 +1,161 @@
+"""Model adapters: one per diffusers pipeline family, found by name and imported lazily.
+
+``load_adapter(model_id)`` resolves, in this order:
+
+- ``tiny:<family>``: the family's tiny random model built in code (tests, smoke runs);
+- ``shapes`` / ``default``: the small text-to-image model shipped with diffalign;
+- an existing local folder: the family is read from its ``model_index.json`` ``_class_name``;
+- a string that looks like a path (``.``, ``/``, ``~``) but does not exist: an error;
+- anything else: a hub id, whose family is read from the hub's ``model_index.json`` unless
+  ``family`` is given.
+
+Every failure raises :class:`diffalign.errors.ModelLoadError` with a one-line message naming
+the id, path or family and the known families.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import DiffalignError, ModelLoadError
+from .base import ModelAdapter, PromptEmbeds
+
+# family name -> "module:Class". Adding a model = one adapter module + one line here (+ one in
+# PIPELINE_FAMILIES); no sampler or algorithm changes.
+FAMILIES: dict[str, str] = {
+    "sd3": "diffalign.adapters.sd3:SD3Adapter",
+    "flux": "diffalign.adapters.flux:FluxAdapter",
+    "sd15": "diffalign.adapters.sd15:SD15Adapter",
+    "shapes": "diffalign.adapters.shapes:ShapesAdapter",
+    # "sdxl": "diffalign.adapters.sdxl:SDXLAdapter", "sana": "diffalign.adapters.sana:SanaAdapter",
+}
+
+# model_index.json `_class_name` -> family.
+PIPELINE_FAMILIES: dict[str, str] = {
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+    "StableDiffusionPipeline": "sd15",
+    "ShapesPipeline": "shapes",
+    # "StableDiffusionXLPipeline": "sdxl", "SanaPipeline": "sana",
+}
+
+DEFAULT_ALIASES = ("shapes", "default")  # ids of the shipped default model
+TINY_PREFIX = "tiny:"
+
+__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "ModelAdapter", "PromptEmbeds", "adapter_class", "load_adapter"]
+
+
+def _known() -> str:
+    return f"known families: {', '.join(sorted(FAMILIES))}"
+
+
+def adapter_class(family: str, *, model_id: str | None = None) -> type[ModelAdapter]:
+    """The adapter class registered for ``family`` (imported on first use); ``model_id`` only
+    makes the error message name the model being loaded."""
+    prefix = f"model {model_id!r}: " if model_id is not None else ""
+    if family not in FAMILIES:
+        raise ModelLoadError(f"{prefix}unknown model family {family!r}; {_known()}")
+    module_name, _, class_name = FAMILIES[family].partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ModelLoadError(f"{prefix}model family {family!r} cannot be imported from {FAMILIES[family]!r}: {e}") from e
+
+
+def _family_from_index(index_file: Path | str, where: str) -> str:
+    """Family named by a ``model_index.json``; ``where`` names the model in error messages."""
+    try:
+        class_name = json.loads(Path(index_file).read_text())["_class_name"]
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{where} has no model_index.json (not a diffusers pipeline folder); {_known()}") from e
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{where}: cannot read _class_name from model_index.json ({e}); {_known()}") from e
+    if class_name not in PIPELINE_FAMILIES:
+        raise ModelLoadError(
+            f"{where}: pipeline class {class_name!r} has no adapter "
+            f"(supported: {', '.join(sorted(PIPELINE_FAMILIES))}); {_known()}"
+        )
+    return PIPELINE_FAMILIES[class_name]
+
+
+def _family_from_hub(model_id: str, kwargs: dict) -> str:
+    try:
+        from huggingface_hub import hf_hub_download
+
+        hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+        index_file = hf_hub_download(repo_id=model_id, filename="model_index.json", **hub_kwargs)
+    except Exception as e:  # offline, unknown repo, gated repo, invalid id: all one user-facing error
+        raise ModelLoadError(
+            f"cannot read model_index.json of hub model {model_id!r} ({type(e).__name__}: {_first_line(e)}); "
+            f"check the id or pass family=...; {_known()}"
+        ) from e
+    return _family_from_index(index_file, f"hub model {model_id!r}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _from_pretrained(cls: type[ModelAdapter], source: str, model_id: str, device, dtype, kwargs) -> ModelAdapter:
+    try:
+        return cls.from_pretrained(source, device=device, dtype=dtype, **kwargs)
+    except DiffalignError:
+        raise
+    except Exception as e:  # missing files, wrong layout, offline hub, bad kwargs
+        raise ModelLoadError(
+            f"cannot load {cls.family} model {model_id!r} ({type(e).__name__}: {_first_line(e)}); {_known()}"
+        ) from e
+
+
+def load_adapter(
+    model_id: str, *, family: str = "auto", device="cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> ModelAdapter:
+    """Load a model as a :class:`ModelAdapter`.
+
+    Args:
+        model_id: ``tiny:<family>``, ``shapes`` / ``default``, a local pipeline folder or a
+            hub id (see the module docstring).
+        family: ``"auto"`` to detect it from ``model_index.json``, or a name in
+            :data:`FAMILIES` to force one (required for hub ids when offline).
+        device, dtype: where and in which dtype the frozen parts live.
+        **kwargs: passed to the adapter's ``from_pretrained`` (adapter options such as
+            ``max_sequence_length`` or ``guidance``, and pipeline options such as ``revision``),
+            or to ``build_tiny`` (``seed`` and the same adapter options) for ``tiny:`` ids.
+    """
+    model_id = str(model_id)
+    forced = None if family in (None, "auto") else family
+    if forced is not None:
+        adapter_class(forced, model_id=model_id)  # fail early on an unknown family
+
+    if model_id.startswith(TINY_PREFIX):
+        name = model_id[len(TINY_PREFIX):]
+        if forced is not None and forced != name:
+            raise ModelLoadError(f"model {model_id!r} is family {name!r} but family={forced!r} was given; {_known()}")
+        cls = adapter_class(name, model_id=model_id)
+        try:
+            return cls.build_tiny(device=device, dtype=dtype, **kwargs)
+        except TypeError as e:  # an option this family does not have
+            raise ModelLoadError(f"cannot build {model_id!r}: {e}; {_known()}") from e
+
+    if model_id in DEFAULT_ALIASES:
+        cls = adapter_class(forced or "shapes", model_id=model_id)
+        if not hasattr(cls, "default_model_path"):
+            raise ModelLoadError(f"model {model_id!r}: family {cls.family!r} has no shipped default model; {_known()}")
+        return _from_pretrained(cls, str(cls.default_model_path()), model_id, device, dtype, kwargs)
+
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        name = forced or _family_from_index(path / "model_index.json", f"model folder {model_id!r}")
+        return _from_pretrained(adapter_class(name, model_id=model_id), str(path), model_id, device, dtype, kwargs)
+    if path.exists():
+        raise ModelLoadError(f"model path {model_id!r} is a file; expected a diffusers pipeline folder")
+    if model_id.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model path {model_id!r} does not exist")
+
+    name = forced or _family_from_hub(model_id, kwargs)
+    return _from_pretrained(adapter_class(name, model_id=model_id), model_id, model_id, device, dtype, kwargs)

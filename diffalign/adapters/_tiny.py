@@ -1,0 +1,123 @@
+"""Offline building blocks for the tiny pipelines used by ``build_tiny`` and the tests.
+
+Real tokenizers are downloaded from the hub; these are built in memory (transformers 5 API),
+survive ``save_pretrained`` / ``from_pretrained``, and give different token ids for different
+prompts, which is all a randomly initialised text encoder needs to give different embeddings.
+"""
+
+from __future__ import annotations
+
+# Whole words get their own token so that typical test prompts stay short; any other text
+# falls back to characters (CLIP: byte-level characters, T5: letters / digits / unk).
+TINY_WORDS = (
+    "a an the of and on in with photo picture painting red green blue yellow black white orange "
+    "purple circle square triangle star cat dog car tree house one two three four small big"
+).split()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 / CLIP byte-level alphabet: every byte maps to one printable unicode character."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def tiny_clip_tokenizer(max_length: int = 16):
+    """A byte-level BPE CLIPTokenizer: 256 characters, 256 end-of-word characters, whole-word
+    merges for :data:`TINY_WORDS`, then ``<|startoftext|>`` and ``<|endoftext|>`` (as in CLIP)."""
+    from transformers import CLIPTokenizer
+
+    alphabet = list(_bytes_to_unicode().values())
+    tokens = alphabet + [c + "</w>" for c in alphabet]
+    merges: list[tuple[str, str]] = []
+    for word in TINY_WORDS:
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        left = pieces[0]
+        for right in pieces[1:]:
+            merged = left + right
+            if (left, right) not in merges:
+                merges.append((left, right))
+            if merged not in tokens:
+                tokens.append(merged)
+            left = merged
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+
+def tiny_t5_tokenizer(max_length: int = 16):
+    """A unigram T5Tokenizer with ``<pad>``, ``</s>``, ``<unk>`` (ids 0, 1, 2 as in T5), whole
+    words (with the ``▁`` word prefix) and single characters as fallback."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + w, -1.0) for w in TINY_WORDS]
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'-"
+    pieces += [(c, -5.0) for c in chars] + [("▁" + c, -5.5) for c in chars if c not in TINY_WORDS]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+def tiny_clip_text_config(vocab_size: int, *, hidden_size: int = 16, projection_dim: int = 16, eos_token_id: int, bos_token_id: int, max_positions: int = 32):
+    """A 2-layer CLIP text encoder config (diffusers' tests use the same shape of config)."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        projection_dim=projection_dim,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+    )
+
+
+def tiny_t5_config(vocab_size: int, *, d_model: int = 32):
+    """A 1-layer T5 encoder config."""
+    from transformers import T5Config
+
+    return T5Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+
+
+def tiny_vae(latent_channels: int, *, scaling_factor: float = 1.5305, shift_factor: float | None = 0.0609):
+    """An AutoencoderKL with two blocks (downsampling factor 2): 32 px images <-> 16 x 16 latents."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(4, 8),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=2,
+        sample_size=32,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )

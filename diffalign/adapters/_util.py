@@ -1,0 +1,82 @@
+"""Helpers shared by the diffusers adapters (not part of the public API)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .base import PromptEmbeds
+
+
+def bcast(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``t`` of shape ``(B,)`` (or a scalar) viewed as ``(B, 1, ..., 1)`` to broadcast against x."""
+    t = torch.as_tensor(t, device=x.device, dtype=torch.float32)
+    if t.ndim == 0:
+        return t
+    return t.reshape(-1, *([1] * (x.ndim - 1)))
+
+
+def batch_t(t: torch.Tensor | float, batch_size: int, device) -> torch.Tensor:
+    """Times as fp32 ``(B,)`` on ``device``; a scalar is repeated for the whole batch."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=device)
+    if t.ndim == 0:
+        t = t.expand(batch_size)
+    if t.shape != (batch_size,):
+        raise ValueError(f"t must have shape ({batch_size},) or be a scalar, got {tuple(t.shape)}")
+    return t
+
+
+def guided_forward(
+    forward: Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor],
+    x: torch.Tensor,
+    t: torch.Tensor,
+    embeds: PromptEmbeds,
+    guidance_scale: float,
+) -> torch.Tensor:
+    """Classifier-free guidance in one batched forward.
+
+    ``forward(x, t, cond_kwargs)`` runs the denoiser on a batch. With ``guidance_scale > 1``
+    and ``embeds.uncond`` set, the batch is ``[uncond; cond]`` (2B rows) and the result is
+    ``uncond + g * (cond - uncond)`` in fp32; otherwise only the cond rows are run.
+    """
+    t = batch_t(t, x.shape[0], x.device)
+    if guidance_scale > 1.0 and embeds.uncond is not None:
+        kwargs = {k: torch.cat([embeds.uncond[k], embeds.cond[k]]) for k in embeds.cond}
+        out = forward(torch.cat([x, x]), torch.cat([t, t]), kwargs).float()
+        uncond, cond = out.chunk(2)
+        return uncond + guidance_scale * (cond - uncond)
+    return forward(x, t, embeds.cond).float()
+
+
+@torch.no_grad()
+def vae_decode(vae, latents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Model latents -> images ``(B, 3, H, W)`` fp32 in ``[0, 1]``.
+
+    Undoes the latent normalisation ``z_model = (z_vae - shift) * scale`` that the pipelines
+    apply when encoding (SD1.5 has no shift).
+    """
+    scale = vae.config.scaling_factor
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    z = latents.to(device=vae.device, dtype=dtype) / scale + shift
+    image = vae.decode(z, return_dict=False)[0]
+    return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+def pipeline_kwargs(dtype: torch.dtype, kwargs: Optional[dict]) -> dict:
+    """Keyword arguments for ``Pipeline.from_pretrained``: the dtype plus whatever the caller
+    passed through (``revision``, ``variant``, ``cache_dir``, ``local_files_only`` ...)."""
+    out = dict(kwargs or {})
+    if "dtype" not in out and "torch_dtype" not in out:
+        out[_dtype_kwarg()] = dtype
+    return out
+
+
+def _dtype_kwarg() -> str:
+    # diffusers renamed `torch_dtype` to `dtype` (the old name warns); older releases only know the old one.
+    try:
+        from diffusers.utils import deprecation_utils
+
+        return "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
+    except ImportError:
+        return "torch_dtype"

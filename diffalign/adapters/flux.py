@@ -1,0 +1,222 @@
+"""FLUX.1 (``FluxPipeline``): a rectified-flow MMDiT on 2x2-packed latents.
+
+At the adapter boundary a latent is the ordinary unpacked ``(C, h, w)`` tensor (``C = 16`` for
+FLUX.1), so samplers and kernels never see FLUX's packing; ``predict`` packs it into
+``(h/2 * w/2, 4C)`` tokens for the transformer and unpacks the velocity. Packing is a
+permutation, so every per-element formula (Euler step, Gaussian log-prob) is unchanged.
+
+Guidance: FLUX.1-dev is guidance-distilled. The guidance strength is an *input* of the
+transformer (``guidance``, default 3.5, only when ``transformer.config.guidance_embeds``), not
+classifier-free guidance. ``predict`` therefore ignores ``embeds.uncond`` unless
+``guidance_scale > 1`` **and** uncond embeddings were encoded, in which case it runs "true CFG"
+(the pipeline's ``true_cfg_scale``) in one batched forward, with the same distilled guidance
+input in both halves. For FLUX.1-dev leave ``guidance_scale`` at 1 and set ``guidance``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from ._util import batch_t, bcast, guided_forward, pipeline_kwargs, vae_decode
+from .base import ModelAdapter, PromptEmbeds
+from .sd3 import FLOW_GRPO_LORA_TARGETS
+
+FLUX_MAX_SEQUENCE_LENGTH = 512  # the pipeline's default (and maximum) T5 length
+FLUX_DEV_GUIDANCE = 3.5  # the pipeline's default distilled guidance for FLUX.1-dev
+FLUX_DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline.default_sample_size (latent pixels)
+
+
+def pack_latents(x: torch.Tensor) -> torch.Tensor:
+    """``(B, C, h, w)`` -> ``(B, h/2 * w/2, 4C)`` tokens, as ``FluxPipeline._pack_latents``."""
+    b, c, h, w = x.shape
+    x = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of :func:`pack_latents` for latent height ``h`` and width ``w``."""
+    b, _, d = tokens.shape
+    x = tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // 4, h, w)
+
+
+def latent_image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
+    """RoPE position ids ``(h/2 * w/2, 3)`` of the packed tokens: ``(0, row, col)``."""
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] = torch.arange(h // 2)[:, None]
+    ids[..., 2] = torch.arange(w // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+class FluxAdapter(ModelAdapter):
+    """Adapter for ``FluxPipeline``.
+
+    Args:
+        pipeline: a loaded ``FluxPipeline``.
+        guidance: the distilled guidance value fed to the transformer when it has
+            ``guidance_embeds`` (FLUX.1-dev); ignored otherwise (FLUX.1-schnell).
+        max_sequence_length: T5 tokens per prompt; defaults to 512, or the T5 tokenizer's
+            ``model_max_length`` when that is smaller.
+    """
+
+    family = "flux"
+    prediction_type = "flow"
+    default_resolution = 1024
+    default_lora_targets = FLOW_GRPO_LORA_TARGETS  # the double-stream blocks, as in Flow-GRPO
+
+    def __init__(
+        self,
+        pipeline,
+        *,
+        device="cpu",
+        dtype=torch.float32,
+        guidance: float = FLUX_DEV_GUIDANCE,
+        max_sequence_length: Optional[int] = None,
+    ):
+        super().__init__(pipeline, device=device, dtype=dtype)
+        self.guidance = guidance
+        tok = pipeline.tokenizer_2
+        limit = tok.model_max_length if tok is not None else FLUX_MAX_SEQUENCE_LENGTH
+        self.max_sequence_length = max_sequence_length or min(FLUX_MAX_SEQUENCE_LENGTH, limit)
+        self.vae_scale_factor = pipeline.vae_scale_factor
+        self.default_resolution = FLUX_DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, model_id: str, *, device="cpu", dtype=torch.float32, guidance=FLUX_DEV_GUIDANCE, max_sequence_length=None, **kwargs
+    ):
+        from diffusers import FluxPipeline
+
+        pipe = FluxPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
+        return cls(pipe, device=device, dtype=dtype, guidance=guidance, max_sequence_length=max_sequence_length)
+
+    @classmethod
+    def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "FluxAdapter":
+        """1 double + 1 single block of width 32 with guidance embedding (like FLUX.1-dev), a
+        2-layer CLIP of width 16, a 1-layer T5 of width 32, a 2x VAE with 4 latent channels;
+        32 px images = 16 x 16 latents = 64 packed tokens."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        from transformers import CLIPTextModel, T5EncoderModel
+
+        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_t5_config, tiny_t5_tokenizer, tiny_vae
+
+        torch.manual_seed(seed)
+        text_len, clip_width, t5_width, latent_channels = 16, 16, 32, 4
+        tokenizer, tokenizer_2 = tiny_clip_tokenizer(text_len), tiny_t5_tokenizer(text_len)
+        clip_config = tiny_clip_text_config(
+            len(tokenizer), hidden_size=clip_width, projection_dim=clip_width,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        )
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * latent_channels,  # 2x2 packing
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=t5_width,
+            pooled_projection_dim=clip_width,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 4, 8),  # sums to attention_head_dim
+        )
+        # FLUX.1's scheduler: resolution-dependent shift mu in [0.5, 1.15].
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096,
+        )
+        pipe = FluxPipeline(
+            scheduler=scheduler,
+            vae=tiny_vae(latent_channels, scaling_factor=0.3611, shift_factor=0.1159),  # FLUX.1's VAE constants
+            text_encoder=CLIPTextModel(clip_config),
+            tokenizer=tokenizer,
+            text_encoder_2=T5EncoderModel(tiny_t5_config(len(tokenizer_2), d_model=t5_width)),
+            tokenizer_2=tokenizer_2,
+            transformer=transformer,
+        )
+        return cls(pipe, device=device, dtype=dtype, **kwargs)  # kwargs: adapter options
+
+    # ---- the contract -------------------------------------------------------------------
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.pipeline.transformer
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        p = self.pipeline
+        return [m for m in (p.text_encoder, p.text_encoder_2, p.vae) if m is not None]
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        multiple = 2 * self.vae_scale_factor  # VAE downsampling, then 2x2 packing
+        if height % multiple or width % multiple:
+            raise ValueError(f"FLUX image size must be a multiple of {multiple}, got {height}x{width}")
+        c = self.pipeline.transformer.config.in_channels // 4
+        return (c, height // self.vae_scale_factor, width // self.vae_scale_factor)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
+        def encode(texts):
+            pe, pooled, _text_ids = self.pipeline.encode_prompt(
+                prompt=list(texts), prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
+            )
+            return {"encoder_hidden_states": pe, "pooled_projections": pooled}
+
+        prompts = list(prompts)
+        return PromptEmbeds(encode(prompts), encode([""] * len(prompts)) if with_uncond else None)
+
+    def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
+        """Velocity at ``(x, t)``; ``x`` is unpacked ``(B, C, h, w)``. See the module docstring
+        for ``guidance`` (distilled, always applied) vs ``guidance_scale`` (true CFG)."""
+        transformer = self.pipeline.transformer
+        dtype = transformer.dtype
+        _, _, h, w = x.shape
+        img_ids = latent_image_ids(h, w, x.device, dtype)
+
+        def forward(xb, tb, kw):
+            n = xb.shape[0]
+            text = kw["encoder_hidden_states"].to(dtype)
+            guidance = None
+            if transformer.config.guidance_embeds:
+                guidance = torch.full((n,), float(self.guidance), device=xb.device, dtype=torch.float32)
+            out = transformer(
+                hidden_states=pack_latents(xb.to(dtype)),
+                timestep=tb.to(dtype),  # sigma: the pipeline passes timesteps / 1000
+                guidance=guidance,
+                pooled_projections=kw["pooled_projections"].to(dtype),
+                encoder_hidden_states=text,
+                txt_ids=torch.zeros(text.shape[1], 3, device=xb.device, dtype=dtype),
+                img_ids=img_ids,
+                return_dict=False,
+            )[0]
+            return unpack_latents(out, h, w)
+
+        return guided_forward(forward, x, batch_t(t, x.shape[0], x.device), embeds, guidance_scale)
+
+    def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return x.float() - bcast(t, x) * model_output.float()  # x0_hat = x_t - t * v
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return vae_decode(self.pipeline.vae, latents, self.pipeline.vae.dtype)
+
+    def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """Sigmas exactly as ``FluxPipeline`` sets them: ``linspace(1, 1/N, N)`` shifted with
+        ``mu = calculate_shift(image tokens)`` (dynamic shifting), then 0 appended."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.pipeline.scheduler.config
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)  # fresh: no shared step state
+        _, h, w = self.latent_shape(height, width)
+        mu = calculate_shift(
+            (h // 2) * (w // 2),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+        scheduler.set_timesteps(num_steps, device="cpu", sigmas=sigmas, mu=mu)
+        return scheduler.sigmas.detach().to("cpu", torch.float32).clone()
