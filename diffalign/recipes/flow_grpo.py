@@ -152,7 +152,7 @@ class FlowGRPOTrainer(Trainer):
                 norm, applied = self.optimizer_step()
                 stats["grad_norm"].append(norm)
                 steps_applied += int(applied)
-            self._checked = True
+                self._checked = True  # the policy has moved: later ratios need not be 1
         out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
         out["optimizer_steps"] = steps_applied
         return out

@@ -1,0 +1,95 @@
+import pytest
+
+from diffalign.config import FlowGRPOConfig, RunConfig, apply_overrides, dump_config, load_config
+from diffalign.errors import ConfigError
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg = load_config(write(tmp_path, "output_dir: out\nmax_iterations: 3\n"), ["optim.lr=1e-3", "sampling.num_steps=7", "lora.targets=[a, b]"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.output_dir == "out" and cfg.max_iterations == 3 and cfg.seed == 0
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    assert cfg.sampling.num_steps == 7
+    assert cfg.lora.targets == ["a", "b"]
+    assert isinstance(cfg.algorithm, FlowGRPOConfig)
+
+
+def test_yaml_scientific_string_is_a_float(tmp_path):
+    cfg = load_config(write(tmp_path, "optim:\n  lr: 1e-4\n"))  # YAML 1.1 reads 1e-4 as a string
+    assert cfg.optim.lr == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("optim:\n  lrr: 1\n", "optim.lrr"),
+        ("bogus: 1\n", "bogus"),
+        ("algorithm:\n  name: flow_grpo\n  betaa: 0\n", "algorithm.betaa"),
+    ],
+)
+def test_unknown_keys_are_named(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("sampling.num_steps=abc", "sampling.num_steps"),
+        ("sampling.num_steps=0", "sampling.num_steps"),
+        ("rollout.group_size=1", "rollout.group_size"),
+        ("sampling.kernel=euler", "sampling.kernel"),
+        ("algorithm.name=nope", "algorithm.name"),
+        ("lora.enabled=maybe", "lora.enabled"),
+        ("sampling.window_size=20", "sampling.window_size"),
+        ("algorithm.clip_range=2", "algorithm.clip_range"),
+    ],
+)
+def test_bad_values_name_the_key(tmp_path, override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(write(tmp_path, ""), [override])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "a: [1, 2\n"))
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_override_syntax():
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        apply_overrides({}, ["novalue"])
+    assert apply_overrides({}, ["a.b.c=3"]) == {"a": {"b": {"c": 3}}}
+
+
+def test_dump_round_trip(tmp_path):
+    cfg = load_config(write(tmp_path, "seed: 5\nsampling:\n  window_size: 2\n  window_mode: sliding\n"))
+    again = load_config(write(tmp_path, dump_config(cfg)))
+    assert again == cfg
+
+
+def test_derived_numbers():
+    cfg = RunConfig()
+    d = cfg.derived()
+    # 4 prompts x 8 images; 10 SDE steps x 0.99 -> 9 trained steps; 32 / 8 = 4 micro-batches per step
+    assert d["images_per_iteration"] == 32
+    assert d["trained_steps_per_sample"] == 9
+    assert d["micro_batches_per_iteration"] == 36
+
+
+def test_every_shipped_config_loads(repo_root):
+    files = sorted((repo_root / "configs").rglob("*.yaml"))
+    assert files
+    for f in files:
+        if f.parent.name == "accelerate":
+            continue
+        load_config(f)
