@@ -121,3 +121,29 @@ def tiny_vae(latent_channels: int, *, scaling_factor: float = 1.5305, shift_fact
         use_quant_conv=False,
         use_post_quant_conv=False,
     )
+
+
+def tiny_tiny_autoencoder(latent_channels: int, *, scaling_factor: float = 1.5305, shift_factor: float = 0.0609):
+    """A TAESD-style ``AutoencoderTiny`` (as ``madebyollin/taesd3`` for SD3) with 2x upsampling.
+
+    Why not a tiny ``AutoencoderKL``: with random weights its GroupNorms make the decoded image
+    invariant to the scale of the latents, so pixel statistics (JPEG size, brightness) barely
+    depend on what the denoiser does and RL smoke tests have nothing to learn. This decoder has no
+    normalisation, so images depend smoothly on the latents.
+    """
+    from diffusers import AutoencoderTiny
+
+    vae = AutoencoderTiny(
+        in_channels=3,
+        out_channels=3,
+        encoder_block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        num_encoder_blocks=(1, 1),
+        num_decoder_blocks=(1, 1),
+        latent_channels=latent_channels,
+        upsampling_scaling_factor=2,
+        upsample_fn="nearest",
+        scaling_factor=scaling_factor,
+    )
+    vae.register_to_config(shift_factor=shift_factor)  # the SD3 pipeline reads it in decode
+    return vae

@@ -69,7 +69,7 @@ class SD3Adapter(ModelAdapter):
         from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
         from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_t5_config, tiny_t5_tokenizer, tiny_vae
+        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_t5_config, tiny_t5_tokenizer, tiny_tiny_autoencoder
 
         torch.manual_seed(seed)
         text_len = 16
@@ -99,7 +99,7 @@ class SD3Adapter(ModelAdapter):
         pipe = StableDiffusion3Pipeline(
             transformer=transformer,
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # SD3's shift
-            vae=tiny_vae(4, scaling_factor=1.5305, shift_factor=0.0609),  # SD3's VAE constants
+            vae=tiny_tiny_autoencoder(4, scaling_factor=1.5305, shift_factor=0.0609),  # SD3's VAE constants; see its docstring
             text_encoder=clip(),
             tokenizer=tokenizer,
             text_encoder_2=clip(),

@@ -1,0 +1,158 @@
+"""End-to-end runs through the CLI on tiny models: run directory, resume, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffalign.cli import main
+from diffalign.config import load_config
+from diffalign.recipes import build_trainer
+from diffalign.recipes.flow_grpo import FlowGRPOTrainer
+from diffalign.trainer import SelfCheckError
+
+SD3 = "configs/tiny/flow_grpo_sd3.yaml"
+FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
+
+
+def run_cli(repo_root, *args):
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(repo_root)
+    try:
+        return main(list(args))
+    finally:
+        os.chdir(cwd)
+
+
+def test_train_writes_run_directory(repo_root, tmp_path):
+    out = tmp_path / "run"
+    code = run_cli(repo_root, "train", SD3, f"output_dir={out}", "max_iterations=2", "log.report=true", "log.progress_bar=false")
+    assert code == 0
+    assert (out / "config.yaml").is_file()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if not r.get("eval")]
+    assert [r["iteration"] for r in train] == [0, 1]
+    for key in ("iteration", "reward_mean", "reward_std", "loss", "kl", "clip_frac", "seconds"):
+        assert key in train[0], key
+    assert any(r.get("eval") for r in records)
+    assert (out / "checkpoints").is_dir() and list((out / "checkpoints").iterdir())
+    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
+    assert (out / "report.md").is_file() and (out / "report" / "curves.png").is_file()
+    # final/ loads into a fresh diffusers pipeline with load_lora_weights
+    from diffalign.export import load_trained_adapter
+
+    adapter = load_trained_adapter(out)
+    assert any("lora" in n for n, _ in adapter.denoiser.named_parameters())
+
+
+def final_lora(out: Path) -> dict:
+    return load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+
+
+def test_resume_matches_uninterrupted_run(repo_root, tmp_path):
+    common = ["max_iterations=4", "checkpoint.every=2", "train.ema.every=1", *FAST]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_cli(repo_root, "train", SD3, f"output_dir={full}", *common) == 0
+    # interrupted after 2 iterations (a run that stopped there), then resumed to 4
+    assert run_cli(repo_root, "train", SD3, f"output_dir={part}", *common, "max_iterations=2") == 0
+    assert run_cli(repo_root, "resume", str(part), "max_iterations=4") == 0
+    a, b = final_lora(full), final_lora(part)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ra = [r for r in map(json.loads, (full / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
+    rb = [r for r in map(json.loads, (part / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
+    assert [r["iteration"] for r in rb] == [0, 1, 2, 3]
+    assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rb]
+
+
+def test_existing_run_dir_is_refused_and_untouched(repo_root, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("precious: 1\n")
+    (out / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    code = run_cli(repo_root, "train", SD3, f"output_dir={out}", *FAST)
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: output_dir") and "--resume" in err[-1]
+    assert (out / "config.yaml").read_text() == "precious: 1\n"
+    assert (out / "metrics.jsonl").read_text() == '{"iteration": 0}\n'
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["configs/nope.yaml"], "does not exist"),
+        ([SD3, "bogus.key=1"], "'bogus'"),
+        ([SD3, "reward.name=no_such_reward"], "no_such_reward"),
+        ([SD3, "model.id=./no/such/model"], "no/such/model"),
+        ([SD3, "model.id=tiny:nope"], "nope"),
+        ([SD3, "reward.name=tests.helpers.rewards:wrong_shape_reward", "max_iterations=1"], "shape"),
+        ([SD3, "reward.name=tests.helpers.rewards:nan_reward", "max_iterations=1"], "non-finite"),
+        ([SD3, "sampling.kernel=ddim"], "sampling.kernel"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(repo_root, tmp_path, capsys, args, needle):
+    code = run_cli(repo_root, "train", *args, f"output_dir={tmp_path / 'r'}", *FAST)
+    assert code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_nan_rewards_can_be_skipped_and_counted(repo_root, tmp_path):
+    out = tmp_path / "r"
+    code = run_cli(repo_root, "train", SD3, f"output_dir={out}", "reward.name=tests.helpers.rewards:nan_reward",
+                   "reward.nonfinite=skip", "max_iterations=2", *FAST)
+    assert code == 0
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
+    assert train[-1]["nonfinite_rewards"] == 2  # one per iteration, counted, never propagated
+    assert all(r["reward_mean"] is not None for r in train)
+
+
+def test_self_check_catches_an_off_policy_forward(repo_root, tmp_path, monkeypatch):
+    cfg = load_config(repo_root / SD3, [f"output_dir={tmp_path / 'r'}", "max_iterations=1", *FAST])
+
+    class Broken(FlowGRPOTrainer):
+        def update(self, traj, embeds, advantages, keep):
+            self.kernel.noise_level *= 1.5  # training scores with another kernel than sampling used
+            return super().update(traj, embeds, advantages, keep)
+
+    with pytest.raises(SelfCheckError, match="self-check"):
+        Broken(cfg).train()
+
+
+@pytest.mark.parametrize("config", ["configs/tiny/flow_grpo_flux.yaml", "configs/tiny/ddpo_sd15.yaml"])
+def test_other_tiny_configs_train(repo_root, tmp_path, config):
+    out = tmp_path / "r"
+    assert run_cli(repo_root, "train", config, f"output_dir={out}", "max_iterations=2", *FAST, "model.resolution=32") == 0
+    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_full_finetune_with_kl_runs(repo_root, tmp_path):
+    out = tmp_path / "r"
+    assert run_cli(repo_root, "train", SD3, f"output_dir={out}", "max_iterations=1", "lora.enabled=false", *FAST) == 0
+    assert (out / "final" / "model_index.json").is_file()
+
+
+def test_sde_window_runs_and_trains_only_window_steps(repo_root, tmp_path):
+    cfg = load_config(repo_root / SD3, [f"output_dir={tmp_path / 'r'}", "max_iterations=2", "sampling.window_size=2",
+                                        "sampling.window_mode=sliding", *FAST])
+    trainer = build_trainer(cfg)
+    seen = []
+    orig = trainer.trained_steps
+
+    def spy(mask, n):
+        out = orig(mask, n)
+        seen.append((mask.clone(), out.clone()))
+        return out
+
+    trainer.trained_steps = spy
+    trainer.train()
+    assert seen[0][0].tolist() == [True, True, False, False, False, False]
+    assert seen[1][0].tolist() == [False, True, True, False, False, False]
+    for mask, steps in seen:
+        assert mask[steps].all()
