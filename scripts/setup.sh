@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv and install diffalign with its test tools (CPU is enough).
+# torch is installed first and pinned: a plain `torch` requirement on a machine without it pulls
+# a multi-GB CUDA build; 2.13.0 is the CPU wheel these machines carry. On a GPU machine install
+# the torch build you want first: this script keeps an existing torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
+fi
+python -m pip install --quiet -e ".[dev]"
+python -c "import diffalign, torch; print(f'diffalign {diffalign.__version__} ready (torch {torch.__version__})')"
