@@ -156,3 +156,26 @@ def test_sde_window_runs_and_trains_only_window_steps(repo_root, tmp_path):
     assert seen[1][0].tolist() == [False, True, True, False, False, False]
     for mask, steps in seen:
         assert mask[steps].all()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_flow_grpo_raises_compressibility_on_tiny_sd3(repo_root, tmp_path, seed):
+    """10 fixed-seed iterations of Flow-GRPO raise the JPEG-compressibility reward of tiny:sd3.
+
+    Measured when this test was written (eval = 16 deterministic ODE samples on fixed seeds,
+    reward in -kB): before -1.008 for every seed; after -0.945 / -0.994 / -0.994 for seeds
+    0 / 1 / 2, i.e. +0.063 / +0.014 / +0.014. The margins below hold for all three.
+    """
+    out = tmp_path / "r"
+    code = run_cli(repo_root, "train", SD3, f"output_dir={out}", f"seed={seed}", "max_iterations=10",
+                   "lora.enabled=false", "optim.lr=1e-2", "train.optimizer_steps_per_iteration=4",
+                   "rollout.group_size=8", "rollout.prompts_per_iteration=2", "algorithm.clip_range=0.2", "algorithm.beta=0",
+                   "train.ema.enabled=false", "sampling.eval_num_steps=6", "eval.samples_per_prompt=8",
+                   "log.progress_bar=false", "log.report=false")
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval/reward_mean"] for r in records if r.get("eval")]
+    train = [r["reward_mean"] for r in records if not r.get("eval")]
+    assert len(train) == 10
+    assert evals[-1] - evals[0] > 0.007, evals
+    assert sum(train[-3:]) / 3 - train[0] > 0.005, train
