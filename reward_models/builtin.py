@@ -10,6 +10,10 @@ _MODULES = [
     "reward_models.clip_score",
     "reward_models.combine",
     "reward_models.shapes_eval",
+    "reward_models.pickscore",
+    "reward_models.aesthetic",
+    "reward_models.hpsv2",
+    "reward_models.remote",
 ]
 
 for _name in _MODULES:

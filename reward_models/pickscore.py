@@ -1,0 +1,101 @@
+"""PickScore: a CLIP ViT-H/14 fine-tuned on Pick-a-Pic human preferences.
+
+Kirstain et al. 2023, "Pick-a-Pic: An Open Dataset of User Preferences for Text-to-Image
+Generation". The model is a transformers ``CLIPModel`` (hub id ``yuvalkirstain/PickScore_v1``)
+that ships without tokenizer or image processor; the authors pair it with the processor of the
+CLIP it was fine-tuned from (``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``). The score is
+
+    s(x, c) = exp(t) * cos(E_img(x), E_txt(c))
+
+with ``t`` the model's learned ``logit_scale`` (exp(t) is about 100), exactly as in the authors'
+inference snippet. It is CLIP score with a learned scale, so it reuses :class:`ClipScore`'s tensor
+preprocessing, batching and prompt deduplication.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+from diffalign.errors import RewardError
+from reward_models.base import register
+from reward_models.clip_score import ClipScore, _first_line, _looks_like_path, _parse_dtype
+
+DEFAULT_PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
+DEFAULT_PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"  # tokenizer + preprocessor_config.json
+
+
+def _hub_or_folder(reward: str, what: str, name: str) -> str:
+    """A hub id as is, or an existing local folder (expanded); a missing folder is a RewardError."""
+    if not _looks_like_path(name):
+        return name
+    path = os.path.expanduser(name)
+    if not os.path.isdir(path):
+        raise RewardError(f"{reward}: {what} folder {name!r} does not exist")
+    return path
+
+
+@register("pickscore")
+class PickScore(ClipScore):
+    """PickScore reward: ``exp(logit_scale) * cos`` from a CLIP model fine-tuned on preferences.
+
+    Args:
+        model: hub id or local folder of the PickScore ``CLIPModel`` weights.
+        processor: hub id or local folder with the tokenizer and ``preprocessor_config.json``.
+        device, dtype, batch_size: as in :class:`ClipScore`.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_PICKSCORE_MODEL,
+        processor: str = DEFAULT_PICKSCORE_PROCESSOR,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        batch_size: int = 32,
+    ) -> None:
+        torch_dtype = _parse_dtype(dtype)
+        clip_model, tokenizer, processor_config = self._load_pickscore(str(model), str(processor), torch_dtype)
+        # The learned temperature is read before any cast: bf16 would round exp(t) = 100 to 100 +- 0.4.
+        scale = float(clip_model.logit_scale.detach().float().exp())
+        self._setup(clip_model, tokenizer, processor_config, device, torch_dtype, batch_size, scale, False)
+        self.model_id = str(model)
+
+    @classmethod
+    def from_components(  # type: ignore[override]
+        cls,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        image_processor_config: dict[str, Any] | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        batch_size: int = 32,
+    ) -> "PickScore":
+        """Wrap an already-built ``CLIPModel``; the scale is its ``exp(logit_scale)``."""
+        scale = float(model.logit_scale.detach().float().exp())
+        return super().from_components(model, tokenizer, image_processor_config, device, dtype, batch_size, scale)
+
+    @staticmethod
+    def _load_pickscore(model: str, processor: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, dict | None]:
+        model_path = _hub_or_folder("pickscore", "model", model)
+        processor_path = _hub_or_folder("pickscore", "processor", processor)
+        from transformers import AutoTokenizer, CLIPModel  # lazy: transformers takes seconds to import
+        from transformers.image_processing_utils import ImageProcessingMixin
+
+        try:
+            clip_model = CLIPModel.from_pretrained(model_path, dtype=dtype)
+        except Exception as exc:  # OSError (offline, missing files), ValueError (bad config), ...
+            raise RewardError(f"pickscore: cannot load model {model!r}: {_first_line(exc)}") from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(processor_path)
+            processor_config, _ = ImageProcessingMixin.get_image_processor_dict(processor_path)
+        except Exception as exc:
+            raise RewardError(f"pickscore: cannot load processor {processor!r}: {_first_line(exc)}") from None
+        return clip_model, tokenizer, processor_config
+
+    def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """float32 ``(B,)`` scores; differentiable with respect to ``images``."""
+        if len(prompts) != images.shape[0]:
+            raise RewardError(f"pickscore: got {images.shape[0]} images but {len(prompts)} prompts")
+        return super().score(images, prompts)
