@@ -30,8 +30,9 @@ FAMILIES: dict[str, str] = {
     "sd3": "diffalign.adapters.sd3:SD3Adapter",
     "flux": "diffalign.adapters.flux:FluxAdapter",
     "sd15": "diffalign.adapters.sd15:SD15Adapter",
+    "sdxl": "diffalign.adapters.sdxl:SDXLAdapter",
+    "sana": "diffalign.adapters.sana:SanaAdapter",
     "shapes": "diffalign.adapters.shapes:ShapesAdapter",
-    # "sdxl": "diffalign.adapters.sdxl:SDXLAdapter", "sana": "diffalign.adapters.sana:SanaAdapter",
 }
 
 # model_index.json `_class_name` -> family.
@@ -39,8 +40,9 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
     "StableDiffusionPipeline": "sd15",
+    "StableDiffusionXLPipeline": "sdxl",
+    "SanaPipeline": "sana",
     "ShapesPipeline": "shapes",
-    # "StableDiffusionXLPipeline": "sdxl", "SanaPipeline": "sana",
 }
 
 DEFAULT_ALIASES = ("shapes", "default")  # ids of the shipped default model
