@@ -99,6 +99,34 @@ def _cmd_list(args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from diffalign import hub
+    from diffalign.export import export_run
+
+    if args.private and not args.push_to_hub:
+        raise DiffalignError("--private only applies with --push-to-hub USER/REPO")
+    token = hub.check_push_target(args.push_to_hub) if args.push_to_hub else None  # fail before the work
+    out = export_run(args.run_dir, args.format, args.out, repo_id=args.push_to_hub, license=args.license,
+                     log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(f"exported {args.format} weights to {out}")
+    if args.push_to_hub:
+        print(f"pushed to {hub.push_folder(out, args.push_to_hub, token=token, private=args.private)}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    import importlib.util
+
+    # The app lives in the source tree (demo/app.py), outside the installed packages.
+    app_file = Path(__file__).resolve().parents[1] / "demo" / "app.py"
+    if not app_file.is_file():
+        raise DiffalignError(f"the demo needs a source checkout: {str(app_file)!r} not found")
+    spec = importlib.util.spec_from_file_location("diffalign_demo_app", app_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffalign", description="Align diffusion / flow-matching image models with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +160,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--reward", default="shapes_eval")
     p.set_defaults(fn=_cmd_eval)
+
+    p = sub.add_parser("export", help="a Hub-ready folder (weights, model card, sample grids) from a finished run")
+    p.add_argument("run_dir")
+    p.add_argument("--format", choices=("lora", "merged"), default="lora",
+                   help="lora: pipe.load_lora_weights(DIR); merged: LoRA fused, DiffusionPipeline.from_pretrained(DIR)")
+    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/export/FORMAT)")
+    p.add_argument("--push-to-hub", metavar="USER/REPO", default=None, help="upload the folder (needs HF_TOKEN)")
+    p.add_argument("--private", action="store_true", help="create the Hub repo private")
+    p.add_argument("--license", default=None, help="model card license (default: apache-2.0 for diffalign's own models, else other)")
+    p.set_defaults(fn=_cmd_export)
+
+    p = sub.add_parser("demo", help="Gradio app: base vs aligned images, rewards and x0 previews for one prompt")
+    p.add_argument("--base", default=None, help="base model id (default: the aligned run's base model)")
+    p.add_argument("--aligned", default=None, help="run directory with final/ (default: the latest one under runs/)")
+    p.add_argument("--rewards", default=None, help="comma-separated reward names (default: shapes_eval for shapes runs, else the run's reward)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(fn=_cmd_demo)
 
     p = sub.add_parser("list", help="known model families, rewards and algorithms")
     p.set_defaults(fn=_cmd_list)

@@ -1,4 +1,12 @@
-"""Saving trained weights in the formats diffusers users load in one line."""
+"""Saving trained weights in the formats diffusers users load in one line.
+
+- :func:`save_trained_weights`: a run's ``final/`` (written by the trainer);
+- :func:`load_trained_adapter`: base model + ``final/`` back as an adapter;
+- :func:`export_run`: ``diffalign export``: a self-contained folder for the Hub, either the
+  LoRA (``pipe.load_lora_weights(folder)``) or the LoRA fused into the base and the whole
+  pipeline saved (``DiffusionPipeline.from_pretrained(folder)``), with a model card and the
+  before / after sample grids. Uploading it is :mod:`diffalign.hub`.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +14,17 @@ import json
 import os
 import shutil
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from diffalign.adapters.base import ModelAdapter
 from diffalign.errors import RunDirError
+
+EXPORT_FORMATS = ("lora", "merged")
+LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
+METADATA_FILE = "diffalign.json"
 
 
 def denoiser_attr(adapter: ModelAdapter) -> str:
@@ -49,19 +62,24 @@ def save_trained_weights(adapter: ModelAdapter, out_dir: Path, *, lora: bool, me
             pipe_cls.save_lora_weights(str(tmp), **{f"{attr}_lora_layers": lora_state_dict(adapter)})
         else:
             adapter.pipeline.save_pretrained(str(tmp))
-        (tmp / "diffalign.json").write_text(json.dumps({"format": "lora" if lora else "full", **metadata}, indent=2, default=str))
-        if out_dir.exists():
-            backup = out_dir.with_name(f".{out_dir.name}-old")
-            shutil.rmtree(backup, ignore_errors=True)
-            os.replace(out_dir, backup)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        (tmp / METADATA_FILE).write_text(json.dumps({"format": "lora" if lora else "full", **metadata}, indent=2, default=str))
+        _publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Move the finished folder ``tmp`` to ``out_dir`` with renames only, so that readers see the
+    old folder or the new one, never a half-written one."""
+    if out_dir.exists():
+        backup = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-old-"))
+        os.replace(out_dir, backup)  # an empty backup folder is replaced by a rename on POSIX
+        os.replace(tmp, out_dir)
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
 
 
 def load_trained_adapter(run_or_final: str | os.PathLike, *, device="cpu", dtype=torch.float32) -> ModelAdapter:
@@ -83,4 +101,155 @@ def load_trained_adapter(run_or_final: str | os.PathLike, *, device="cpu", dtype
     except Exception as exc:
         raise RunDirError(f"LoRA weights in {str(final)!r} do not fit base model {meta['base_model']!r}: {str(exc).splitlines()[0]}") from None
     adapter.denoiser.requires_grad_(False)
+    return adapter
+
+
+# ---- diffalign export ---------------------------------------------------------------------------
+def read_final_metadata(run_dir: Path) -> dict:
+    """``final/diffalign.json`` of a run directory (what was trained how)."""
+    meta_file = Path(run_dir) / "final" / METADATA_FILE
+    if not (Path(run_dir) / "config.yaml").is_file():
+        raise RunDirError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
+    if not meta_file.is_file():
+        raise RunDirError(f"run {str(run_dir)!r} has no final weights (no final/{METADATA_FILE}); has it finished?")
+    return json.loads(meta_file.read_text())
+
+
+def is_export_dir(path: Path) -> bool:
+    """A folder written by :func:`export_run` (its ``diffalign.json`` has an ``export`` entry)."""
+    try:
+        return "export" in json.loads((Path(path) / METADATA_FILE).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _check_out_dir(out: Path, run_dir: Path) -> None:
+    """Replace only an earlier export or an empty folder; never a run, its ``final/`` or user files."""
+    out_r, run_r = out.resolve(), run_dir.resolve()
+    if out_r == run_r or out_r in run_r.parents:
+        raise RunDirError(f"--out {str(out)!r} would replace the run directory {str(run_dir)!r}; choose another folder")
+    if out.is_file():
+        raise RunDirError(f"--out {str(out)!r} is a file; expected a folder")
+    if out.is_dir() and any(out.iterdir()) and not is_export_dir(out):
+        raise RunDirError(f"--out {str(out)!r} exists and is not a diffalign export folder; refusing to overwrite it")
+
+
+def eval_grids(run_dir: Path, evals: list[dict]) -> dict[str, Path]:
+    """The eval sample grids to show as before / after (same prompts and seed): the grid of
+    iteration 0 (the base model) when the run evaluated it, and the last one."""
+    samples = run_dir / "samples"
+    found = {int(p.stem.rsplit("-", 1)[-1]): p for p in samples.glob("eval-iter-*.png")} if samples.is_dir() else {}
+    evaluated = [e["iteration"] for e in evals if e["iteration"] in found]
+    last = max(evaluated) if evaluated else (max(found) if found else None)
+    grids = {}
+    if 0 in found and last != 0:
+        grids["before"] = found[0]
+    if last is not None:
+        grids["after"] = found[last]
+    return grids
+
+
+def _side_by_side(before: Path, after: Path, out: Path, gap: int = 8) -> None:
+    """One image: before grid | white gap | after grid."""
+    from PIL import Image
+
+    a, b = Image.open(before).convert("RGB"), Image.open(after).convert("RGB")
+    canvas = Image.new("RGB", (a.width + gap + b.width, max(a.height, b.height)), "white")
+    canvas.paste(a, (0, 0))
+    canvas.paste(b, (a.width + gap, 0))
+    canvas.save(out)
+
+
+def export_run(
+    run_dir: str | os.PathLike,
+    fmt: str = "lora",
+    out: str | os.PathLike | None = None,
+    *,
+    repo_id: str | None = None,
+    license: str | None = None,
+    log=None,
+) -> Path:
+    """Write a Hub-ready folder for a finished run and return its path.
+
+    Args:
+        run_dir: a run directory with ``final/`` (see :mod:`diffalign.runs`).
+        fmt: ``"lora"``: ``pytorch_lora_weights.safetensors`` (copied from ``final/``), loaded
+            with ``pipe.load_lora_weights(folder)``; ``"merged"``: the LoRA fused into the base
+            weights and the whole pipeline saved, loaded with ``DiffusionPipeline.from_pretrained``
+            (a fully fine-tuned run is saved as is).
+        out: the folder to write (default ``RUN_DIR/export/<fmt>``). It is written next to its
+            final place and renamed into it; an existing folder is replaced only when it is an
+            earlier export or empty.
+        repo_id: the Hub repo the folder is meant for; the card's loading snippet names it
+            (otherwise the local folder).
+        license: the card's license (default: ``apache-2.0`` for diffalign's own models, else
+            ``other``: a model derived from a base model inherits its license).
+    Also written: ``README.md`` (model card, see :func:`diffalign.hub.model_card`),
+    ``images/`` (before / after eval grids) and ``diffalign.json``.
+    """
+    import yaml
+
+    from diffalign import __version__, hub, runs
+
+    log = log or (lambda msg: None)
+    run_dir = Path(run_dir)
+    if fmt not in EXPORT_FORMATS:
+        raise RunDirError(f"unknown export format {fmt!r}; use one of {', '.join(EXPORT_FORMATS)}")
+    meta = read_final_metadata(run_dir)
+    if fmt == "lora" and meta.get("format") != "lora":
+        raise RunDirError(f"run {str(run_dir)!r} fine-tuned all weights (no LoRA); export it with --format merged")
+    out = Path(out) if out is not None else run_dir / "export" / fmt
+    _check_out_dir(out, run_dir)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    evals = [r for r in runs.MetricsLog(run_dir / "metrics.jsonl").read() if r.get("eval")]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        if fmt == "lora":
+            shutil.copy2(run_dir / "final" / LORA_WEIGHTS_FILE, tmp / LORA_WEIGHTS_FILE)
+            pipeline_class = None
+        else:
+            log(f"fusing the trained weights into {meta['base_model']} ...")
+            adapter = merged_adapter(run_dir)
+            adapter.pipeline.save_pretrained(str(tmp), safe_serialization=True)
+            pipeline_class = type(adapter.pipeline)
+            del adapter
+        grids = eval_grids(run_dir, evals)
+        images = {}
+        if grids:
+            (tmp / "images").mkdir()
+            for name, src in grids.items():
+                shutil.copy2(src, tmp / "images" / f"{name}.png")
+                images[name] = f"images/{name}.png"
+            if len(grids) == 2:
+                _side_by_side(tmp / "images" / "before.png", tmp / "images" / "after.png", tmp / "images" / "before_after.png")
+                images["before_after"] = "images/before_after.png"
+        card = hub.model_card(meta, config, evals, fmt=fmt, where=repo_id or str(out), images=images,
+                              license=license, pipeline_class=pipeline_class, name=f"{run_dir.name}-{fmt}")
+        card.save(tmp / "README.md")
+        info = {k: v for k, v in meta.items() if k != "format"}
+        info["format"] = fmt
+        info["export"] = {"diffalign_version": __version__, "run_dir": str(run_dir.resolve()), "repo_id": repo_id,
+                          "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        (tmp / METADATA_FILE).write_text(json.dumps(info, indent=2, default=str))
+        _check_out_dir(out, run_dir)  # again: something may have appeared there meanwhile
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def merged_adapter(run_dir: str | os.PathLike, *, device="cpu", dtype=torch.float32) -> ModelAdapter:
+    """The run's trained model with its LoRA fused into the base weights (diffusers' own
+    ``fuse_lora`` + ``unload_lora_weights``), so that ``pipeline.save_pretrained`` writes plain
+    weights. A fully fine-tuned run is returned as loaded."""
+    adapter = load_trained_adapter(run_dir, device=device, dtype=dtype)
+    if read_final_metadata(Path(run_dir)).get("format") == "lora":
+        pipe = adapter.pipeline
+        if not hasattr(pipe, "fuse_lora"):
+            raise RunDirError(f"{type(pipe).__name__} cannot fuse LoRA weights (no LoRA loader mixin)")
+        pipe.fuse_lora(components=[denoiser_attr(adapter)], lora_scale=1.0)
+        pipe.unload_lora_weights()  # after fuse_lora this keeps the fused weights and drops the peft layers
     return adapter

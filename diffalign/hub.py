@@ -1,0 +1,217 @@
+"""Hugging Face Hub: the model card of an exported run, the upload operations, and the push.
+
+The export folder (:func:`diffalign.export.export_run`) and its list of
+``CommitOperationAdd`` are built offline; only :func:`push_folder` talks to the Hub, and
+:func:`check_push_target` says why it cannot (bad repo id, offline mode, no token) before any
+work is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from diffalign.errors import DiffalignError
+
+# Config keys shown in the card besides every ``algorithm.*`` key: what it takes to reproduce the
+# run's character (sizes of the rollout, the kernel, the learning rate), not every knob.
+CARD_HPARAMS = (
+    "max_iterations", "seed", "model.resolution", "lora.rank", "lora.alpha", "lora.targets",
+    "sampling.num_steps", "sampling.eval_num_steps", "sampling.guidance_scale", "sampling.kernel",
+    "sampling.noise_level", "sampling.window_size", "rollout.prompts_per_iteration", "rollout.group_size",
+    "reward.name", "reward.kwargs", "optim.lr", "optim.weight_decay", "optim.grad_clip", "train.batch_size",
+    "train.optimizer_steps_per_iteration", "train.inner_epochs", "train.mixed_precision",
+    "train.ema.enabled", "train.ema.decay", "train.ema.every",
+)
+# Pipelines that are not part of diffusers: where their class is imported from.
+NON_DIFFUSERS_PIPELINES = {"ShapesPipeline": "diffalign.shapes.pipeline"}
+EVAL_SKIP = ("eval/seconds", "eval/num_images")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
+def _hub_base_model(base: str) -> Optional[str]:
+    """``base`` when it names a Hub model (``user/name``), else None: tiny models built in code,
+    the shipped ``shapes`` model and local folders have no Hub page to link."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from diffalign.adapters import DEFAULT_ALIASES, TINY_PREFIX
+
+    if base.startswith(TINY_PREFIX) or base in DEFAULT_ALIASES or "/" not in base or Path(base).expanduser().exists():
+        return None
+    try:
+        validate_repo_id(base)
+    except HFValidationError:
+        return None
+    return base
+
+
+def _is_own_model(base: str) -> bool:
+    from diffalign.adapters import DEFAULT_ALIASES, TINY_PREFIX
+
+    return base.startswith(TINY_PREFIX) or base in DEFAULT_ALIASES
+
+
+def loading_snippet(meta: dict, fmt: str, where: str, *, pipeline_class: Optional[type] = None,
+                    prompt: str = "a photo of a cat", steps: int = 28, guidance_scale: float = 4.5) -> str:
+    """Python that loads the export (``where``: Hub repo id or local folder) and draws one image."""
+    from diffalign.adapters import DEFAULT_ALIASES, PIPELINE_FAMILIES, TINY_PREFIX
+
+    base, family = str(meta["base_model"]), meta.get("family")
+    family_pipelines = {f: c for c, f in PIPELINE_FAMILIES.items()}
+    class_name = pipeline_class.__name__ if pipeline_class is not None else family_pipelines.get(family, "DiffusionPipeline")
+    module = NON_DIFFUSERS_PIPELINES.get(class_name)
+    q = json.dumps  # a double-quoted Python string literal
+    if fmt == "lora" and base.startswith(TINY_PREFIX):
+        head = ["from diffalign.adapters import load_adapter",
+                f"pipe = load_adapter({q(base)}).pipeline  # tiny random model built in code by diffalign"]
+    elif module is None:
+        head = ["from diffusers import DiffusionPipeline",
+                f"pipe = DiffusionPipeline.from_pretrained({q(where if fmt == 'merged' else base)})"]
+    elif fmt == "lora" and base in DEFAULT_ALIASES:
+        head = [f"from {module} import SHIPPED_MODEL_DIR, {class_name}", f"pipe = {class_name}.from_pretrained(SHIPPED_MODEL_DIR)"]
+    else:
+        head = [f"from {module} import {class_name}", f"pipe = {class_name}.from_pretrained({q(where if fmt == 'merged' else base)})"]
+    lines = ["import torch"] + head + ([f"pipe.load_lora_weights({q(where)})"] if fmt == "lora" else [])
+    lines.append(f"image = pipe({q(prompt)}, num_inference_steps={steps}, guidance_scale={guidance_scale},\n"
+                 f"             generator=torch.Generator().manual_seed(0)).images[0]")
+    return "\n".join(lines)
+
+
+def _eval_table(evals: list[dict]) -> list[str]:
+    if not evals:
+        return ["No evaluation was logged."]
+    first, last = evals[0], evals[-1]
+    before = first if first is not last and first["iteration"] == 0 else None
+    keys = [k for k in last if k.startswith("eval/") and k not in EVAL_SKIP and isinstance(last[k], (int, float))]
+    if before is None:
+        rows = ["| metric | value |", "|---|---:|"] + [f"| {k[5:]} | {last[k]:.4f} |" for k in keys]
+        return [f"Held-out evaluation at iteration {last['iteration']} ({last.get('eval/num_images', '?')} images):", ""] + rows
+    rows = ["| metric | before (base) | after | change |", "|---|---:|---:|---:|"]
+    for k in keys:
+        a, b = before.get(k), last[k]
+        if isinstance(a, (int, float)):
+            rows.append(f"| {k[5:]} | {a:.4f} | {b:.4f} | {b - a:+.4f} |")
+    return [f"Held-out evaluation, iteration 0 vs {last['iteration']} (same prompts and seed, "
+            f"{last.get('eval/num_images', '?')} images):", ""] + rows
+
+
+def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: str, images: dict[str, str],
+               license: Optional[str] = None, pipeline_class: Optional[type] = None, name: str = "diffalign-model"):
+    """A ``huggingface_hub.ModelCard`` for an exported run.
+
+    Args:
+        meta: ``final/diffalign.json`` (base_model, family, algorithm, reward, iterations, lora).
+        config: the run's ``config.yaml`` as a dict; evals: its eval records (``"eval": true``).
+        fmt: ``lora`` or ``merged``; where: Hub repo id or local folder for the snippet.
+        images: ``{"before"|"after"|"before_after": path in the folder}``.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    base, algorithm, reward, family = str(meta["base_model"]), meta.get("algorithm"), meta.get("reward"), meta.get("family")
+    hub_base = _hub_base_model(base)
+    license = license or ("apache-2.0" if _is_own_model(base) else "other")
+    tags = ["diffalign", algorithm, family, "text-to-image", "diffusers"] + (["lora"] if fmt == "lora" else [])
+    tags = [t for i, t in enumerate(tags) if t and t not in tags[:i]]
+    flat = _flatten(config)
+    prompts = (config.get("prompts") or {})
+    prompt = next(iter((prompts.get("eval") or []) + (prompts.get("train") or [])), "a photo of a cat")
+    sampling = config.get("sampling") or {}
+    data = ModelCardData(
+        base_model=hub_base, license=license, library_name="diffusers", pipeline_tag="text-to-image", tags=tags,
+        model_name=name, widget=[{"text": prompt, "output": {"url": images["after"]}}] if "after" in images else None,
+    )
+    what = "LoRA adapter for" if fmt == "lora" else "Full pipeline (LoRA fused into the weights) of" if meta.get("lora") else "Fine-tuned"
+    base_ref = f"[`{base}`](https://huggingface.co/{hub_base})" if hub_base else f"`{base}`"
+    lines = [
+        f"# {name}", "",
+        f"{what} {base_ref} ({family}), aligned with **{algorithm}** on the **{reward}** reward for "
+        f"{meta.get('iterations')} iteration{'' if meta.get('iterations') == 1 else 's'} with diffalign"
+        + (" (exponential moving average of the weights)." if meta.get("ema") else "."), "",
+        "## Use", "", "```python",
+        loading_snippet(meta, fmt, where, pipeline_class=pipeline_class, prompt=prompt,
+                        steps=int(sampling.get("eval_num_steps") or 28), guidance_scale=float(sampling.get("guidance_scale") or 4.5)),
+        "```", "",
+    ]
+    if images:
+        lines += ["## Samples: before / after", ""]
+        if "before" in images:
+            lines += ["Evaluation grids of the base model (left) and the aligned model (right), same prompts and seed.", "",
+                      "| before (base model) | after |", "|---|---|", f"| ![before]({images['before']}) | ![after]({images['after']}) |", ""]
+        else:
+            lines += ["Evaluation grid of the aligned model.", "", f"![after]({images['after']})", ""]
+    lines += ["## Evaluation", ""] + _eval_table(evals) + [""]
+    hparams = {k: v for k, v in flat.items() if (k.startswith("algorithm.") or k in CARD_HPARAMS) and v not in (None, {}, [])}
+    lines += ["## Training", "", f"- base model: `{base}`", f"- algorithm: `{algorithm}`", f"- reward: `{reward}`",
+              f"- iterations: {meta.get('iterations')}", f"- weights: {fmt}" + (f" (LoRA rank {meta['lora'].get('rank')}, alpha {meta['lora'].get('alpha')})" if meta.get("lora") else ""),
+              "", "| hyperparameter | value |", "|---|---|"] + [f"| `{k}` | `{v}` |" for k, v in hparams.items()] + [""]
+    lines += ["## License", "",
+              f"`{license}`." + ("" if _is_own_model(base) else f" These weights derive from `{base}`: its license applies."), ""]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+# ---- upload -------------------------------------------------------------------------------------
+def upload_operations(folder: str | os.PathLike) -> list:
+    """One ``CommitOperationAdd`` per file of ``folder`` (sorted, hidden files skipped)."""
+    from huggingface_hub import CommitOperationAdd
+
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    return [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p)) for p in files]
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` as set now (huggingface_hub reads it once at import)."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE")
+    if value is None:
+        return bool(constants.HF_HUB_OFFLINE)
+    return value.strip().upper() in constants.ENV_VARS_TRUE_VALUES
+
+
+def check_push_target(repo_id: str) -> str:
+    """Validate ``USER/REPO`` and that an upload can happen; returns the token.
+    Raises :class:`DiffalignError` (one line) for a bad id, offline mode or a missing token."""
+    from huggingface_hub import get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise DiffalignError(f"--push-to-hub: invalid repo id {repo_id!r}: {str(e).splitlines()[0]}") from None
+    if repo_id.count("/") != 1:
+        raise DiffalignError(f"--push-to-hub: expected USER/REPO, got {repo_id!r}")
+    if hub_offline():
+        raise DiffalignError("--push-to-hub: HF_HUB_OFFLINE is set; unset it to upload, or export without --push-to-hub")
+    token = get_token()
+    if not token:
+        raise DiffalignError("--push-to-hub needs a Hugging Face token: set HF_TOKEN or run `hf auth login`")
+    return token
+
+
+def push_folder(folder: str | os.PathLike, repo_id: str, *, token: str, private: bool = False,
+                commit_message: str = "Upload with diffalign export") -> str:
+    """Create ``repo_id`` if needed (``private`` only applies to a new repo) and commit every
+    file of ``folder`` in one commit. Returns the repo URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    operations = upload_operations(folder)
+    try:
+        url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        api.create_commit(repo_id, operations, commit_message=commit_message, repo_type="model")
+    except Exception as e:  # HTTP errors, no permission, network: one line for the CLI
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise DiffalignError(f"upload to {repo_id!r} failed ({type(e).__name__}: {first})") from e
+    return str(url)

@@ -1,0 +1,35 @@
+"""One real run directory per test session (tiny SD3, one Flow-GRPO iteration), shared by the
+export and demo tests so that the ~10 s of training happen once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = "configs/tiny/flow_grpo_sd3.yaml"
+# EMA off and a larger learning rate: one iteration must move the LoRA away from its zero-init B
+# (with EMA updated every 8 optimizer steps, final/ after one step would equal the base model),
+# so that "the export reproduces the trained model" cannot pass with an empty LoRA.
+OVERRIDES = [
+    "max_iterations=1", "log.progress_bar=false", "log.report=false", "eval.at_start=true",
+    "sampling.eval_num_steps=2", "eval.samples_per_prompt=1", "train.ema.enabled=false", "optim.lr=1e-2",
+]
+_cache: dict[str, Path] = {}
+
+
+def trained_run(tmp_path_factory) -> Path:
+    """Path of the session's run directory, trained on first use under pytest's session temp dir."""
+    if "run" not in _cache:
+        from diffalign.cli import main
+
+        out = tmp_path_factory.mktemp("tiny-run") / "tiny_sd3_run"
+        cwd = os.getcwd()
+        os.chdir(ROOT)
+        try:
+            rc = main(["train", CONFIG, f"output_dir={out}", *OVERRIDES])
+        finally:
+            os.chdir(cwd)
+        assert rc == 0, f"training the tiny run failed with exit code {rc}"
+        _cache["run"] = out
+    return _cache["run"]
