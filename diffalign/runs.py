@@ -45,12 +45,14 @@ def is_run_dir(path: Path) -> bool:
     return (path / "config.yaml").is_file()
 
 
-def prepare_run_dir(path: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber another run. ``overwrite`` deletes it explicitly; ``resume`` needs one."""
+def check_run_dir(path: Path, *, resume: bool, overwrite: bool) -> None:
+    """Raise unless the requested action is allowed: never clobber another run or foreign files."""
     if resume:
         if not is_run_dir(path):
             raise RunDirError(f"cannot resume: {str(path)!r} is not a run directory (no config.yaml)")
         return
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"output_dir {str(path)!r} is a file")
     if path.exists() and any(path.iterdir()):
         if not overwrite:
             what = "holds another run" if is_run_dir(path) else "is not empty"
@@ -59,6 +61,14 @@ def prepare_run_dir(path: Path, *, resume: bool, overwrite: bool) -> None:
             )
         if not is_run_dir(path):
             raise RunDirError(f"refusing to overwrite {str(path)!r}: it is not a diffalign run directory")
+
+
+def prepare_run_dir(path: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber another run. ``overwrite`` deletes it explicitly; ``resume`` needs one."""
+    check_run_dir(path, resume=resume, overwrite=overwrite)
+    if resume:
+        return
+    if path.exists() and any(path.iterdir()):
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
 

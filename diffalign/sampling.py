@@ -166,11 +166,15 @@ def sample_linear(
     width: int,
     generator: Optional[torch.Generator] = None,
     noise: Optional[torch.Tensor] = None,
+    step_noise: Optional[torch.Tensor] = None,
     keep_latents: bool = True,
 ) -> Trajectory:
     """Roll out ``len(embeds)`` samples along ``schedule``; stochastic where ``sde_mask``.
 
-    With ``keep_latents=False`` only the first and last states are kept (evaluation).
+    Noise comes from ``noise`` (initial, ``(B, *latent)``) and ``step_noise`` (``(B, T, *latent)``,
+    used on SDE steps) when given — then results do not depend on how a batch is chunked or split
+    across processes — else from ``generator``. With ``keep_latents=False`` only the first and
+    last states are kept (evaluation).
     """
     batch = len(embeds)
     x = noise if noise is not None else draw_noise(adapter, batch, height, width, generator)
@@ -182,7 +186,8 @@ def sample_linear(
         t = schedule[i].expand(batch).to(adapter.device)
         t_next = schedule[i + 1].expand(batch).to(adapter.device)
         model_output = adapter.predict(x, t, embeds, guidance_scale)
-        out = kernel.step(model_output, x, t, t_next, sde=bool(sde_mask[i]), generator=generator)
+        eps = step_noise[:, i].to(adapter.device) if step_noise is not None else None
+        out = kernel.step(model_output, x, t, t_next, sde=bool(sde_mask[i]), generator=generator, noise=eps)
         if out.log_prob is not None:
             log_probs[:, i] = out.log_prob
         x = out.prev_sample.float()

@@ -204,11 +204,10 @@ class Trainer:
         # Validate everything that needs no model before touching the run directory.
         self.train_prompts, self.eval_prompts = resolve_prompts(cfg)
         self.reward_fn = reward_models.build(cfg.reward.name, device="cpu", **cfg.reward.kwargs)
-        runs.prepare_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)
-
         self.accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=not torch.cuda.is_available())
+        runs.check_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)  # every process: same verdict
         self.device = self.accelerator.device
-        set_seed(cfg.seed + self.accelerator.process_index)
+        set_seed(cfg.seed)  # same on every process: identical initial (LoRA) weights
         self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device, dtype=DTYPES[cfg.model.dtype])
         self.resolution = cfg.model.resolution or self.adapter.default_resolution
         if self.device.type != "cpu" and cfg.reward.name:
@@ -219,12 +218,17 @@ class Trainer:
             self.adapter, cfg.sampling.kernel, cfg.sampling.noise_level,
             std_schedule=cfg.sampling.std_schedule, reduction=getattr(cfg.algorithm, "logprob_reduction", "mean"),
         )
-        self.generator = torch.Generator("cpu").manual_seed(cfg.seed * 1000 + self.accelerator.process_index)
+        # Everything is validated and loaded: now the run directory may change.
+        if self.accelerator.is_main_process:
+            runs.prepare_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)
+        self.accelerator.wait_for_everyone()
+        # One stream shared by all processes (prompts, noise, shuffles are drawn globally, then sliced).
+        self.generator = torch.Generator("cpu").manual_seed(cfg.seed * 1000 + 17)
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
         self.metrics = runs.MetricsLog(self.run_dir / "metrics.jsonl")
         if self.resume:
             self._load_latest()
-        else:
+        elif self.accelerator.is_main_process:
             runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
 
     def _setup_trainable(self) -> None:
@@ -328,6 +332,14 @@ class Trainer:
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip, check and apply the accumulated gradients. Returns (grad_norm, applied)."""
         params = self.trainable
+        if self.accelerator.num_processes > 1:
+            # Losses are normalised by global term counts, so the global gradient is the sum.
+            import torch.distributed as dist
+
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         if self.cfg.optim.grad_clip > 0:
             norm = float(self.accelerator.clip_grad_norm_(params, self.cfg.optim.grad_clip))
         else:
@@ -357,6 +369,16 @@ class Trainer:
 
     # ---- evaluation -------------------------------------------------------------------------
     def evaluate(self, iteration: int, *, save_grid: bool = True) -> dict:
+        """Sample the eval prompts with fixed seeds (ODE) and score them; main process only."""
+        if not self.accelerator.is_main_process:
+            self.accelerator.wait_for_everyone()
+            return {}
+        record = self._evaluate(iteration, save_grid=save_grid)
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
+        return record
+
+    def _evaluate(self, iteration: int, *, save_grid: bool = True) -> dict:
         cfg = self.cfg.eval
         prompts = self.eval_prompts[: cfg.num_prompts] if cfg.num_prompts else list(self.eval_prompts)
         prompts = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
@@ -435,9 +457,14 @@ class Trainer:
         self.stats.update(state["stats"])
         self.load_extra_state(state.get("extra") or {})
         self.start_iteration = state["iteration"]
-        self.metrics.truncate_from(self.start_iteration)
-        runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
+        if self.accelerator.is_main_process:
+            self.metrics.truncate_from(self.start_iteration)
+            runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
         self.log(f"resumed from {ckpt} at iteration {self.start_iteration}")
+
+    def write_metrics(self, record: dict) -> None:
+        if self.accelerator.is_main_process and record:
+            self.metrics.write(record)
 
     def save_checkpoint(self, next_iteration: int) -> None:
         if self.accelerator.is_main_process:
@@ -483,7 +510,7 @@ class Trainer:
         try:
             if self.start_iteration == 0 and cfg.eval.at_start:
                 last_eval = self.evaluate(0)
-                self.metrics.write(last_eval)
+                self.write_metrics(last_eval)
                 self.log("  eval before training: " + _fmt_eval(last_eval))
             bar = tqdm(range(self.start_iteration, cfg.max_iterations), initial=self.start_iteration, total=cfg.max_iterations,
                        desc="iterations", disable=not (cfg.log.progress_bar and self.accelerator.is_main_process), file=sys.stderr)
@@ -491,12 +518,12 @@ class Trainer:
                 t0 = time.perf_counter()
                 record = self.iteration(it)
                 record = {"iteration": it, **record, "seconds": time.perf_counter() - t0, **{k: v for k, v in self.stats.items()}}
-                self.metrics.write(record)
+                self.write_metrics(record)
                 bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}", loss=f"{record.get('loss', float('nan')):.4f}")
                 done = it + 1
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.max_iterations:
                     last_eval = self.evaluate(done)
-                    self.metrics.write(last_eval)
+                    self.write_metrics(last_eval)
                 if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
                     self.save_checkpoint(done)
             bar.close()
@@ -504,7 +531,7 @@ class Trainer:
             if not runs.latest_checkpoint(self.run_dir) or runs.latest_checkpoint(self.run_dir).name != f"{runs.CHECKPOINT_PREFIX}{final_iteration:06d}":
                 self.save_checkpoint(final_iteration)
             last_eval = self.evaluate(final_iteration)
-            self.metrics.write(last_eval)
+            self.write_metrics(last_eval)
             self.log("  eval after training: " + _fmt_eval(last_eval))
             self.save_final(final_iteration)
             if cfg.log.report and self.accelerator.is_main_process:

@@ -74,9 +74,11 @@ def group_advantages(
 
 @dataclass
 class PPOLossOutput:
-    """Scalars of one micro-batch: ``loss`` (with grad) = ``policy_loss + beta * kl``."""
+    """One micro-batch: ``loss`` (with grad) = ``policy_loss + beta * kl``, the mean of
+    ``per_sample`` (B,) (with grad; for normalising by a global sample count across processes)."""
 
     loss: torch.Tensor
+    per_sample: torch.Tensor
     policy_loss: torch.Tensor
     kl: torch.Tensor
     clip_frac: torch.Tensor  # fraction of samples whose ratio left [1 - eps, 1 + eps]
@@ -104,13 +106,15 @@ def ppo_clip_loss(
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.maximum(unclipped, clipped).mean()
+    per_policy = torch.maximum(unclipped, clipped)
+    per_sample = per_policy + beta * kl.float() if (beta > 0 and kl is not None) else per_policy
+    policy_loss = per_policy.mean()
     kl_mean = kl.float().mean() if kl is not None else torch.zeros((), device=log_prob.device)
-    loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
+    loss = per_sample.mean()
     with torch.no_grad():
         clip_frac = ((ratio - 1.0).abs() > clip_range).float().mean()
         approx_kl = 0.5 * (log_ratio**2).mean()
-    return PPOLossOutput(loss, policy_loss.detach(), kl_mean.detach(), clip_frac, approx_kl, ratio.detach().mean())
+    return PPOLossOutput(loss, per_sample, policy_loss.detach(), kl_mean.detach(), clip_frac, approx_kl, ratio.detach().mean())
 
 
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

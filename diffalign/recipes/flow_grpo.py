@@ -3,6 +3,11 @@
 Also covers DDPO-style GRPO on epsilon models (``sampling.kernel: ddim``), Flow-GRPO-Fast
 (``sampling.window_mode: random``) and MixGRPO's sliding SDE window (``window_mode: sliding``).
 The math lives in :mod:`diffalign.algorithms.flow_grpo`; this file only orchestrates.
+
+Multi-process runs are exact: every process draws the same global prompts, noise and shuffles
+from the shared seed and takes its own slice, rewards are gathered for the advantages, losses are
+normalised by the global number of (sample, step) terms, and gradients are summed across
+processes. Two processes therefore compute the same update as one process over the same samples.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 
 from diffalign.algorithms.flow_grpo import gaussian_mean_kl, group_advantages, ppo_clip_loss
 from diffalign.config import FlowGRPOConfig
+from diffalign.errors import NonFiniteError
 from diffalign.sampling import Trajectory, sample_linear, sde_window_mask
 from diffalign.trainer import SelfCheckError, Trainer
 
@@ -27,26 +33,35 @@ class FlowGRPOTrainer(Trainer):
 
     # ---- rollout ----------------------------------------------------------------------------
     def rollout(self, iteration: int):
-        cfg = self.cfg
-        prompts = self.prompt_sampler.next(cfg.rollout.prompts_per_iteration)
+        """Sample this process's share of the iteration's groups and score them.
+
+        Returns (trajectory, embeds, prompts, global sample indices, rewards, reward info)."""
+        cfg, s = self.cfg, self.cfg.sampling
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        per_proc = cfg.rollout.prompts_per_iteration
         group = cfg.rollout.group_size
+        all_prompts = self.prompt_sampler.next(per_proc * world)  # identical on every process
+        prompts = all_prompts[rank * per_proc : (rank + 1) * per_proc]
         sample_prompts = [p for p in prompts for _ in range(group)]
-        group_ids = torch.arange(len(prompts)).repeat_interleave(group)
-        use_cfg = cfg.sampling.guidance_scale > 1
-        embeds = self.adapter.encode_prompts(prompts, with_uncond=use_cfg).repeat_interleave(group)
-        s = cfg.sampling
-        schedule = self.adapter.make_schedule(s.num_steps, self.resolution, self.resolution)
+        n_local, n_global = len(sample_prompts), len(all_prompts) * group
+        local = slice(rank * n_local, (rank + 1) * n_local)
         sde_mask = sde_window_mask(s.num_steps, s.window_size, mode=s.window_mode, start=s.window_start, iteration=iteration,
                                    slide_every=s.window_slide_every, stride=s.window_stride, generator=self.generator)
+        latent = self.adapter.latent_shape(self.resolution, self.resolution)
+        # All noise of the iteration, drawn globally from the shared generator (see module docstring).
+        noise = torch.randn((n_global, *latent), generator=self.generator)[local]
+        step_noise = torch.randn((n_global, s.num_steps, *latent), generator=self.generator)[local]
+        embeds = self.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
+        schedule = self.adapter.make_schedule(s.num_steps, self.resolution, self.resolution)
         self.adapter.denoiser.eval()
         trajs, futures = [], []
         bs = cfg.rollout.sample_batch_size
-        for start in range(0, len(sample_prompts), bs):
+        for start in range(0, n_local, bs):
             idx = slice(start, start + bs)
             with self.autocast():
                 traj = sample_linear(self.adapter, self.kernel, embeds.select(idx), schedule, sde_mask,
                                      guidance_scale=s.guidance_scale, height=self.resolution, width=self.resolution,
-                                     generator=self.generator)
+                                     noise=noise[idx], step_noise=step_noise[idx])
             trajs.append(traj)
             futures.append(self.score_async(traj.images, sample_prompts[idx]))  # overlaps the next chunk
         results = [f.result() for f in futures]
@@ -56,30 +71,27 @@ class FlowGRPOTrainer(Trainer):
             for k, v in i.items():
                 info.setdefault(k, []).append(v)
         info = {f"reward/{k}" if not k.startswith("reward/") else k: float(np.mean(v)) for k, v in info.items()}
-        return Trajectory.cat(trajs), embeds, sample_prompts, group_ids, rewards, info
+        return Trajectory.cat(trajs), embeds, torch.arange(n_global)[local], n_global, rewards, info
 
     # ---- one iteration ----------------------------------------------------------------------
     def iteration(self, iteration: int) -> dict:
-        cfg, algo = self.cfg, self.algo
-        traj, embeds, prompts, group_ids, rewards, info = self.rollout(iteration)
+        algo = self.algo
+        traj, embeds, sample_ids, n_global, rewards, info = self.rollout(iteration)
         rewards = self.check_rewards(rewards, iteration)
-        # Advantages over the whole batch of all processes (global std), then our own slice.
-        all_rewards = self.accelerator.gather(rewards.to(self.device)).cpu()
-        all_groups = self.accelerator.gather((group_ids + self.accelerator.process_index * len(group_ids)).to(self.device)).cpu()
-        adv = group_advantages(all_rewards, all_groups, std_mode=algo.advantage_std, eps=algo.advantage_eps,
+        all_rewards = self.accelerator.gather(rewards.to(self.device)).cpu()  # (n_global,) in sample order
+        group_ids = torch.arange(n_global) // self.cfg.rollout.group_size
+        adv = group_advantages(all_rewards, group_ids, std_mode=algo.advantage_std, eps=algo.advantage_eps,
                                clip=algo.advantage_clip, filter_zero_std=algo.filter_zero_std_groups)
-        n = len(rewards)
-        lo = self.accelerator.process_index * n
-        advantages, keep = adv.advantages[lo : lo + n], adv.keep[lo : lo + n]
         finite = torch.isfinite(all_rewards)
         record = {
             "reward_mean": float(all_rewards[finite].mean()) if finite.any() else float("nan"),
             "reward_std": float(all_rewards[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0,
+            "advantage_abs_mean": float(adv.advantages.abs().mean()),
             "zero_std_frac": adv.zero_std_fraction,
-            "kept_frac": float(keep.float().mean()),
+            "kept_frac": float(adv.keep.float().mean()),
             **info,
         }
-        record.update(self.update(traj, embeds, advantages.to(self.device), keep))
+        record.update(self.update(traj, embeds, sample_ids, n_global, adv.advantages, adv.keep))
         return record
 
     # ---- policy update ----------------------------------------------------------------------
@@ -93,25 +105,39 @@ class FlowGRPOTrainer(Trainer):
         perms = torch.stack([torch.randperm(len(candidates), generator=self.generator)[:k] for _ in range(n_samples)])
         return candidates[perms]
 
-    def update(self, traj: Trajectory, embeds, advantages: torch.Tensor, keep: torch.Tensor) -> dict:
+    def update(self, traj: Trajectory, embeds, sample_ids: torch.Tensor, n_global: int,
+               advantages: torch.Tensor, keep: torch.Tensor) -> dict:
+        """Clipped policy-gradient updates on this process's samples.
+
+        ``advantages`` / ``keep`` are global (n_global,); ``sample_ids`` maps local rows to global ids.
+        """
         cfg, algo = self.cfg, self.algo
-        kept = torch.nonzero(keep).flatten()
-        stats = {"loss": [], "policy_loss": [], "kl": [], "clip_frac": [], "approx_kl": [], "ratio_mean": [], "grad_norm": []}
-        if len(kept) == 0:  # every group had equal rewards: nothing to learn from this batch
-            return {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "optimizer_steps": 0}
-        self.adapter.denoiser.train()
-        steps_applied = 0
         g = cfg.sampling.guidance_scale
         dev = self.device
+        first_local = int(sample_ids[0])
+        stats = {"loss": [], "policy_loss": [], "kl": [], "clip_frac": [], "approx_kl": [], "ratio_mean": [], "grad_norm": []}
+        steps_applied = 0
+        self.adapter.denoiser.train()
         for _epoch in range(cfg.train.inner_epochs):
-            order = kept[torch.randperm(len(kept), generator=self.generator)]
-            step_idx = self.trained_steps(traj.sde_mask, len(order))  # (n, K), aligned with `order`
+            # Global shuffle and step choice (same RNG use on every process), then our share.
+            perm = torch.randperm(n_global, generator=self.generator)
+            step_idx_global = self.trained_steps(traj.sde_mask, n_global)  # (n_global, K)
+            mine = (perm >= first_local) & (perm < first_local + len(sample_ids)) & keep[perm]
+            order_global = perm[mine]
+            order = order_global - first_local  # local rows
+            step_idx = step_idx_global[order_global]
+            n_steps = step_idx.shape[1]
             batches = [slice(s, s + cfg.train.batch_size) for s in range(0, len(order), cfg.train.batch_size)]
-            micro = [(b, j) for b in batches for j in range(step_idx.shape[1])]
+            micro = [(b, j) for b in batches for j in range(n_steps)]
             groups = np.array_split(np.arange(len(micro)), cfg.train.optimizer_steps_per_iteration)
-            for group in groups:
+            # Terms per optimizer step, summed over processes: the loss is their global mean.
+            local_terms = torch.tensor([sum(len(order[micro[m][0]]) for m in grp) for grp in groups], dtype=torch.float64)
+            global_terms = self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu() if self.accelerator.num_processes > 1 else local_terms
+            for gi, grp in enumerate(groups):
+                if global_terms[gi] == 0:
+                    continue  # every process had nothing to learn from (all groups zero-std)
                 bad = False
-                for m in group:
+                for m in grp:
                     b, j = micro[m]
                     rows = order[b]
                     steps = step_idx[b, j]
@@ -132,21 +158,23 @@ class FlowGRPOTrainer(Trainer):
                             ref_out = self.adapter.predict(x, t, emb, g)
                         ref = self.kernel.step(ref_out, x, t, t_next, sde=True, prev_sample=x_next)
                         kl = gaussian_mean_kl(step.mean, ref.mean, step.std)
-                    res = ppo_clip_loss(step.log_prob, old_logp, advantages[rows], clip_range=algo.clip_range, kl=kl, beta=algo.beta)
-                    if not torch.isfinite(res.loss):
+                    res = ppo_clip_loss(step.log_prob, old_logp, advantages[rows + first_local].to(dev),
+                                        clip_range=algo.clip_range, kl=kl, beta=algo.beta)
+                    loss = res.per_sample.sum() / float(global_terms[gi])
+                    if not torch.isfinite(loss):
                         self.stats["nonfinite_losses"] += 1
                         bad = True
                         continue
-                    self.accelerator.backward(res.loss / len(group))
+                    self.accelerator.backward(loss)
                     for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
                         stats[key].append(float(getattr(res, key).detach()))
+                if self.accelerator.num_processes > 1:  # every process must skip together
+                    bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
                 if bad:  # a non-finite loss poisons the accumulated step: drop it, count it
                     self.optimizer.zero_grad(set_to_none=True)
                     self.stats["skipped_steps"] += 1
                     self._consecutive_bad_steps += 1
                     if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:
-                        from diffalign.errors import NonFiniteError
-
                         raise NonFiniteError(f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite losses; stopping")
                     continue
                 norm, applied = self.optimizer_step()
