@@ -1,0 +1,28 @@
+"""Keep benchmarks/overhead.py from rotting: its smallest run works and both sides do the same forwards.
+
+No timing assertions: the CPUs are shared, so times only mean something side by side.
+"""
+
+import importlib.util
+import sys
+
+import pytest
+
+
+def _load_overhead(repo_root):
+    spec = importlib.util.spec_from_file_location("benchmarks_overhead", repo_root / "benchmarks" / "overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_smallest_run(repo_root, capsys):
+    overhead = _load_overhead(repo_root)
+    result = overhead.main(["--size", "tiny", "--iterations", "1", "--repeats", "1", "--profile"])
+    # 2 chunks x 6 rollout steps + 2 train batches x 5 trained steps x (policy + reference) = 32
+    assert result.toolkit.nfe == result.raw.nfe == 32
+    assert len(result.toolkit.wall) == len(result.raw.wall) == 1
+    out = capsys.readouterr().out
+    assert "ratio toolkit/raw" in out and "denoiser forwards" in out
