@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install diffalign with its test tools (CPU is enough).
+# Create .venv and install diffalign with its test tools and the demo app (CPU is enough).
 # torch is installed first and pinned: a plain `torch` requirement on a machine without it pulls
 # a multi-GB CUDA build; 2.13.0 is the CPU wheel these machines carry. On a GPU machine install
 # the torch build you want first: this script keeps an existing torch.
@@ -14,5 +14,5 @@ python -m pip install --quiet --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 fi
-python -m pip install --quiet -e ".[dev]"
+python -m pip install --quiet -e ".[dev,demo]"
 python -c "import diffalign, torch; print(f'diffalign {diffalign.__version__} ready (torch {torch.__version__})')"
