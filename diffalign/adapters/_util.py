@@ -80,3 +80,12 @@ def _dtype_kwarg() -> str:
         return "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
     except ImportError:
         return "torch_dtype"
+
+
+def module_dtype(module: torch.nn.Module) -> torch.dtype:
+    """dtype of a module's first parameter (its base weights; LoRA layers come later).
+
+    diffusers' ``ModelMixin.dtype`` walks every submodule on each access (ms per forward on a
+    real model); this is O(1).
+    """
+    return next(module.parameters()).dtype

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ._util import batch_t, bcast, guided_forward, pipeline_kwargs, vae_decode
+from ._util import batch_t, bcast, guided_forward, pipeline_kwargs, vae_decode, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 from .sd3 import FLOW_GRPO_LORA_TARGETS
 
@@ -170,7 +170,7 @@ class FluxAdapter(ModelAdapter):
         """Velocity at ``(x, t)``; ``x`` is unpacked ``(B, C, h, w)``. See the module docstring
         for ``guidance`` (distilled, always applied) vs ``guidance_scale`` (true CFG)."""
         transformer = self.pipeline.transformer
-        dtype = transformer.dtype
+        dtype = module_dtype(transformer)
         _, _, h, w = x.shape
         img_ids = latent_image_ids(h, w, x.device, dtype)
 

@@ -30,7 +30,7 @@ from typing import Sequence, Union
 import torch
 
 from ..errors import ModelLoadError
-from ._util import batch_t, bcast, guided_forward, pipeline_kwargs, vae_decode
+from ._util import batch_t, bcast, guided_forward, pipeline_kwargs, vae_decode, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 
 # Every attention projection: linear self-attention (attn1) and cross-attention (attn2) of each
@@ -202,7 +202,7 @@ class SanaAdapter(ModelAdapter):
     def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
         """Velocity at ``(x, t)``, ``t`` = sigma in ``[0, 1]``."""
         transformer = self.pipeline.transformer
-        dtype = transformer.dtype
+        dtype = module_dtype(transformer)
         latent_channels = x.shape[1]
 
         def forward(xb, tb, kw):

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from ._ddim import FINAL_T, UNetDDIMMixin
-from ._util import batch_t, guided_forward, pipeline_kwargs, vae_decode
+from ._util import batch_t, guided_forward, pipeline_kwargs, vae_decode, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 
 # DDPO's LoRA targets: every attention projection of the UNet (self- and cross-attention).
@@ -113,7 +113,7 @@ class SD15Adapter(UNetDDIMMixin, ModelAdapter):
     def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
         """Epsilon at ``(x, t)``; ``t`` are DDPM timesteps in ``[0, num_train_timesteps)``."""
         unet = self.pipeline.unet
-        dtype = unet.dtype
+        dtype = module_dtype(unet)
         t = batch_t(t, x.shape[0], x.device)
 
         def forward(xb, tb, kw):

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._util import bcast, guided_forward, pipeline_kwargs, vae_decode
+from ._util import bcast, guided_forward, pipeline_kwargs, vae_decode, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 
 # Flow-GRPO's LoRA targets for SD3: the image-stream (to_*) and text-stream (add_*) projections
@@ -142,7 +142,7 @@ class SD3Adapter(ModelAdapter):
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
         transformer = self.pipeline.transformer
-        dtype = transformer.dtype
+        dtype = module_dtype(transformer)
         # The transformer takes the scheduler's timesteps, i.e. sigma * num_train_timesteps (1000).
         n_train = self.pipeline.scheduler.config.num_train_timesteps
 

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._ddim import UNetDDIMMixin
-from ._util import batch_t, guided_forward, pipeline_kwargs
+from ._util import batch_t, guided_forward, pipeline_kwargs, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 from .sd15 import SD15_LORA_TARGETS
 
@@ -169,7 +169,7 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
     def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
         """Epsilon at ``(x, t)``; ``t`` are DDPM timesteps in ``[0, num_train_timesteps)``."""
         unet = self.pipeline.unet
-        dtype = unet.dtype
+        dtype = module_dtype(unet)
         t = batch_t(t, x.shape[0], x.device)
         time_ids = self.time_ids(x.shape[2] * self.vae_scale_factor, x.shape[3] * self.vae_scale_factor)
         time_ids = time_ids.to(device=x.device, dtype=dtype)
