@@ -64,6 +64,11 @@ def write_report(run_dir: str | Path) -> Path:
             lines += ["## Samples on eval prompts (same seeds)", "",
                       f"Before (iteration {first['iteration']}):", "", f"![before](samples/{grid_a.name})", "",
                       f"After (iteration {last['iteration']}):", "", f"![after](samples/{grid_b.name})", ""]
+            prompts_file = run_dir / "samples" / "eval-prompts.txt"
+            if prompts_file.exists():
+                names = prompts_file.read_text().splitlines()
+                lines += ["<details><summary>Prompts of the grids (row by row, 8 per row)</summary>", ""]
+                lines += [f"{i + 1}. {p}" for i, p in enumerate(names)] + ["", "</details>", ""]
     path = run_dir / "report.md"
     runs.atomic_write_text(path, "\n".join(lines) + "\n")
     return path

@@ -403,6 +403,7 @@ class Trainer:
         if save_grid and self.accelerator.is_main_process:
             n = min(len(images), 64)
             save_png(image_grid(images[:n], nrow=8), self.run_dir / "samples" / f"eval-iter-{iteration:06d}.png", scale=2)
+            runs.atomic_write_text(self.run_dir / "samples" / "eval-prompts.txt", "".join(p + "\n" for p in prompts[:n]))
         return record
 
     # ---- state ------------------------------------------------------------------------------

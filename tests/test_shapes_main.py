@@ -1,0 +1,61 @@
+"""The main job on the shipped model: one iteration of configs/shapes/flow_grpo.yaml, eval table."""
+
+import json
+
+import pytest
+
+from diffalign.cli import main
+from diffalign.evaluation import format_table
+
+MAIN = "configs/shapes/flow_grpo.yaml"
+
+
+def run_cli(repo_root, *args):
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(repo_root)
+    try:
+        return main(list(args))
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.slow
+def test_main_config_one_iteration(repo_root, tmp_path, capsys):
+    out = tmp_path / "main"
+    code = run_cli(repo_root, "train", MAIN, f"output_dir={out}", "max_iterations=1", "eval.num_prompts=8",
+                   "eval.samples_per_prompt=1", "sampling.eval_num_steps=4", "log.progress_bar=false")
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert f"report: {out}/report.md" in printed
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if not r.get("eval")]
+    evals = [r for r in records if r.get("eval")]
+    assert len(train) == 1 and len(evals) == 2  # before and after
+    assert 0.0 <= train[0]["reward_mean"] <= 1.0
+    assert "eval/acc/overall" in evals[0] and any(k.startswith("reward/acc/") for k in train[0])
+    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
+    report = (out / "report.md").read_text()
+    assert "acc/overall" in report and "samples/eval-iter-000000.png" in report
+    assert (out / "samples" / "eval-iter-000001.png").is_file()
+
+
+def test_format_table_aligns_columns():
+    text = format_table({"base": {"acc/overall": 0.5, "acc/colors": 0.25}, "run": {"acc/overall": 0.75}})
+    lines = text.splitlines()
+    assert lines[0].split() == ["base", "run"]
+    assert lines[-1].split() == ["acc/overall", "0.500", "0.750"]
+    assert "-" in lines[1].split()
+
+
+def test_eval_command_prints_a_table(repo_root, capsys):
+    code = run_cli(repo_root, "eval", "--base", "tiny:shapes", "--num-prompts", "4", "--samples-per-prompt", "1", "--steps", "2")
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "acc/overall" in out and "base" in out.splitlines()[0]
+
+
+def test_eval_command_bad_run_dir(repo_root, capsys):
+    assert run_cli(repo_root, "eval", "--no-base", "no/such/run") == 2
+    assert "no/such/run" in capsys.readouterr().err
