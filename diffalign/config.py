@@ -108,6 +108,7 @@ class PromptsConfig:
     file: Optional[str] = None  # for source=file: one prompt per line
     eval_file: Optional[str] = None
     families: list[str] = field(default_factory=list)  # source=shapes: restrict to these task families
+    balance_families: bool = False  # source=shapes: draw training prompts family-uniformly (as GenEval's overall weighs families)
 
     def validate(self) -> None:
         if self.source == "list":
@@ -354,7 +355,7 @@ def from_dict(cls, data: Any, prefix: str = ""):
         raise ConfigError(f"config key '{prefix or '<root>'}' must be a mapping; got {data!r}")
     if cls is AlgorithmConfig or (prefix == "algorithm" and issubclass(cls, AlgorithmConfig)):
         name = data.get("name", "flow_grpo")
-        _ensure_algorithms_registered()
+        _ensure_algorithms_registered(name)
         if name not in ALGORITHM_CONFIGS:
             raise ConfigError(f"config key 'algorithm.name' is unknown: {name!r}; known: {', '.join(sorted(ALGORITHM_CONFIGS))}")
         cls = ALGORITHM_CONFIGS[name]
@@ -372,11 +373,14 @@ def from_dict(cls, data: Any, prefix: str = ""):
     return cls(**kwargs)
 
 
-def _ensure_algorithms_registered() -> None:
-    # Algorithms outside this module register their configs on import.
+def _ensure_algorithms_registered(name: str | None = None) -> None:
+    # Algorithms outside this module register their configs on import: import the recipe
+    # module registered for `name` (diffalign.recipes._RECIPES) when its config is not known yet.
     import importlib
 
-    importlib.import_module("diffalign.recipes")
+    recipes = importlib.import_module("diffalign.recipes")
+    if name is not None and name not in ALGORITHM_CONFIGS and name in recipes._RECIPES:
+        importlib.import_module(recipes._RECIPES[name].partition(":")[0])
 
 
 def to_dict(cfg) -> dict:

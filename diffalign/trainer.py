@@ -134,6 +134,14 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
                 raise ConfigError(f"config key 'prompts.families' has unknown families: {', '.join(unknown)}")
             train = [x for x in train if prompt_family(x) in p.families]
             heldout = [x for x in heldout if prompt_family(x) in p.families]
+        if p.balance_families:
+            # Repeat each family's prompts up to the largest family's count, so that an epoch of the
+            # prompt sampler visits every family about equally often.
+            by_family: dict[str, list[str]] = {}
+            for x in train:
+                by_family.setdefault(prompt_family(x), []).append(x)
+            largest = max(len(v) for v in by_family.values())
+            train = [v[i % len(v)] for v in by_family.values() for i in range(largest)]
         return train, heldout
     if p.source == "list":
         return list(p.train), list(p.eval or p.train)

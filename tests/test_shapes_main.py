@@ -59,3 +59,18 @@ def test_eval_command_prints_a_table(repo_root, capsys):
 def test_eval_command_bad_run_dir(repo_root, capsys):
     assert run_cli(repo_root, "eval", "--no-base", "no/such/run") == 2
     assert "no/such/run" in capsys.readouterr().err
+
+
+def test_balanced_family_sampling(tmp_path):
+    from collections import Counter
+
+    from diffalign.config import load_config
+    from diffalign.shapes import prompt_family
+    from diffalign.trainer import PromptSampler, resolve_prompts
+
+    cfg = load_config(None, [f"output_dir={tmp_path}", "prompts.balance_families=true"])
+    train, heldout = resolve_prompts(cfg)
+    counts = Counter(prompt_family(p) for p in PromptSampler(train, 0).next(600))
+    assert len(counts) == 6 and max(counts.values()) - min(counts.values()) <= 10
+    plain, _ = resolve_prompts(load_config(None, [f"output_dir={tmp_path}"]))
+    assert set(train) == set(plain) and len(heldout) > 0
