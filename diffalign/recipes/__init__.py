@@ -13,6 +13,7 @@ from diffalign.errors import ConfigError
 
 _RECIPES: dict[str, str] = {
     "flow_grpo": "diffalign.recipes.flow_grpo:FlowGRPOTrainer",
+    "branch_grpo": "diffalign.recipes.branch_grpo:BranchGRPOTrainer",
 }
 
 
