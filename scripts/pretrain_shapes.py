@@ -1,0 +1,278 @@
+"""Pretrain the embedded shapes text-to-image model from scratch on CPU.
+
+Rectified-flow matching in pixel space (32x32, no VAE) on images rendered on the fly from
+:mod:`diffalign.shapes.world`, conditioned on the TRAIN split's prompts only (held-out
+colour-shape combinations are never seen), with ``--uncond-prob`` empty prompts for CFG.
+
+    x0 = 2 * image - 1,  eps ~ N(0, I),  t ~ U(0, 1)
+    x_t = (1 - t) * x0 + t * eps,  loss = || v_theta(x_t, t, c) - (eps - x0) ||^2
+
+Reproduce the shipped model (diffalign/assets/shapes-t2i) with the defaults::
+
+    python scripts/pretrain_shapes.py --out diffalign/assets/shapes-t2i
+
+Prints the loss while training and, at the end, the ShapesEval accuracy per family on held-out
+and train prompts, sampled from the saved model with the pipeline's Euler ODE sampler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+try:  # run from a source checkout without `pip install -e .`
+    import diffalign  # noqa: F401
+except ImportError:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="diffalign/assets/shapes-t2i", help="save_pretrained folder")
+    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (the shipped model's budget)")
+    p.add_argument("--minutes", type=float, default=None, help="also stop after this much wall time")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
+    p.add_argument("--warmup", type=int, default=100, help="linear warmup steps, then constant")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--ema-decay", type=float, default=0.995, help="EMA of weights that gets saved (0: off)")
+    p.add_argument("--uncond-prob", type=float, default=0.1, help="share of empty prompts (for CFG)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--ckpt-every", type=int, default=0, help="also save (and quick-eval) every N steps to --ckpt-dir")
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--resume", default=None, help="a --ckpt-dir/step-N folder: continue from its train_state.pt")
+    p.add_argument("--eval-per-family", type=int, default=48, help="final eval: images per family and split")
+    p.add_argument("--eval-steps", type=int, default=20, help="ODE steps for evaluation sampling")
+    p.add_argument("--cfg", type=float, default=None, help="CFG scale for evaluation (default: the pipeline's)")
+    p.add_argument("--no-eval", action="store_true")
+    return p.parse_args(argv)
+
+
+# ---- data -----------------------------------------------------------------------------------
+class PromptSampler:
+    """Train prompts drawn family-balanced (the families have 2 to 107 train prompts; uniform
+    over prompts would all but ignore single-object and counting)."""
+
+    def __init__(self, prompts, rng: np.random.Generator):
+        from diffalign.shapes.world import prompt_family
+
+        self.by_family = defaultdict(list)
+        for p in prompts:
+            self.by_family[prompt_family(p)].append(p)
+        self.families = sorted(self.by_family)
+        self.rng = rng
+
+    def __call__(self, n: int) -> list[str]:
+        fams = self.rng.integers(len(self.families), size=n)
+        out = []
+        for f in fams:
+            choices = self.by_family[self.families[int(f)]]
+            out.append(choices[int(self.rng.integers(len(choices)))])
+        return out
+
+
+# ---- evaluation -----------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(pipe, prompts, per_family: int, steps: int, cfg: float, seed: int = 1234, batch: int = 64) -> dict:
+    """ShapesEval accuracy per family: ``per_family`` images per family, spread round-robin over
+    that family's prompts, one fixed noise seed. Returns {family: acc, "mean": family mean,
+    "n": {family: count}}."""
+    import reward_models
+    from diffalign.shapes.world import prompt_family
+
+    reward = reward_models.build("shapes_eval")
+    by_family = defaultdict(list)
+    for p in prompts:
+        by_family[prompt_family(p)].append(p)
+    eval_prompts = []
+    for fam in sorted(by_family):
+        ps = by_family[fam]
+        eval_prompts += [ps[i % len(ps)] for i in range(per_family)]
+    gen = torch.Generator().manual_seed(seed)
+    scores = []
+    for i in range(0, len(eval_prompts), batch):
+        chunk = eval_prompts[i : i + batch]
+        images = pipe(chunk, num_inference_steps=steps, guidance_scale=cfg, generator=gen, output_type="pt").images
+        scores.append(reward(images, chunk, [{} for _ in chunk]).float())
+    scores = torch.cat(scores)
+    acc = defaultdict(list)
+    for p, s in zip(eval_prompts, scores.tolist()):
+        acc[prompt_family(p)].append(s)
+    out = {f: float(np.mean(v)) for f, v in sorted(acc.items())}
+    out["mean"] = float(np.mean(list(out.values())))
+    return out
+
+
+def format_table(rows: dict[str, dict]) -> str:
+    """rows: {split: {family: acc, "mean": acc}} -> a text table with families as rows."""
+    from diffalign.shapes.world import FAMILIES
+
+    splits = list(rows)
+    lines = [f"{'family':<14}" + "".join(f"{s:>10}" for s in splits)]
+    for fam in list(FAMILIES) + ["mean"]:
+        cells = [rows[s].get(fam) for s in splits]
+        lines.append(f"{fam:<14}" + "".join(f"{'-':>10}" if c is None else f"{c:>10.3f}" for c in cells))
+    return "\n".join(lines)
+
+
+# ---- saving ---------------------------------------------------------------------------------
+def save(pipe, unet_weights, out: str) -> None:
+    """save_pretrained with the UNet stored in fp16 (halves the shipped size; diffusers loads it
+    back in fp32) and the small text encoder in fp32."""
+    to_save = copy.copy(pipe)  # shallow: shares tokenizer / scheduler / text encoder
+    unet = copy.deepcopy(pipe.unet)
+    unet.load_state_dict(unet_weights)
+    unet.to(torch.float16)
+    to_save.register_modules(unet=unet)
+    to_save.save_pretrained(out)
+
+
+# ---- main -----------------------------------------------------------------------------------
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()  # the fp16 save cast warns about nothing
+    diffusers_logging.disable_progress_bar()
+    from diffalign.shapes.model import ShapesModelConfig, build_pipeline
+    from diffalign.shapes.pipeline import DEFAULT_GUIDANCE_SCALE, ShapesPipeline
+    from diffalign.shapes.world import make_batch, split_prompts
+
+    cfg_scale = DEFAULT_GUIDANCE_SCALE if args.cfg is None else args.cfg
+    train_prompts, heldout_prompts = split_prompts(seed=0)
+    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    sampler = PromptSampler(train_prompts, rng)
+
+    pipe = build_pipeline(config=ShapesModelConfig(), seed=args.seed)
+    pipe.set_progress_bar_config(disable=True)
+    unet, text_encoder = pipe.unet, pipe.text_encoder
+    n_unet = sum(p.numel() for p in unet.parameters())
+    n_text = sum(p.numel() for p in text_encoder.parameters())
+    print(f"unet {n_unet / 1e6:.2f}M params, text encoder {n_text / 1e6:.2f}M params, "
+          f"{len(train_prompts)} train / {len(heldout_prompts)} held-out prompts, "
+          f"batch {args.batch_size}, {args.steps} steps, lr {args.lr}", flush=True)
+
+    params = list(unet.parameters()) + list(text_encoder.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
+    ema = [p.detach().clone() for p in params] if args.ema_decay > 0 else None
+
+    def ema_state():
+        """(unet_state_dict, text_encoder_state_dict) of the EMA weights (or the raw ones)."""
+        if ema is None:
+            return unet.state_dict(), text_encoder.state_dict()
+        backup = [p.detach().clone() for p in params]
+        for p, e in zip(params, ema):
+            p.data.copy_(e)
+        states = copy.deepcopy(unet.state_dict()), copy.deepcopy(text_encoder.state_dict())
+        for p, b in zip(params, backup):
+            p.data.copy_(b)
+        return states
+
+    def eval_pipe(unet_sd, text_sd):
+        ev = copy.deepcopy(pipe)
+        ev.unet.load_state_dict(unet_sd)
+        ev.text_encoder.load_state_dict(text_sd)
+        ev.unet.eval(), ev.text_encoder.eval()
+        return ev
+
+    unet.train(), text_encoder.train()
+    start = time.time()
+    loss_avg = None
+    step = 0
+    if args.resume:  # exact continuation: weights, EMA, optimizer, LR schedule and both RNGs
+        state = torch.load(Path(args.resume) / "train_state.pt", weights_only=False)
+        with torch.no_grad():
+            for p, v in zip(params, state["params"]):
+                p.copy_(v)
+        if ema is not None:
+            ema = [e.clone() for e in state["ema"]]
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        rng.bit_generator.state = state["numpy_rng"]
+        torch.set_rng_state(state["torch_rng"])
+        step, loss_avg = state["step"], state["loss_avg"]
+        print(f"resumed from {args.resume} at step {step}", flush=True)
+    first_step = step
+    while step < args.steps:
+        if args.minutes is not None and time.time() - start > 60 * args.minutes:
+            print(f"time limit of {args.minutes} min reached at step {step}", flush=True)
+            break
+        prompts = sampler(args.batch_size)
+        x0 = 2 * make_batch(prompts, rng) - 1  # pixels in [-1, 1]
+        drop = rng.random(len(prompts)) < args.uncond_prob
+        cond_prompts = ["" if d else p for p, d in zip(prompts, drop)]
+
+        eps = torch.randn_like(x0)
+        t = torch.rand(x0.shape[0])
+        x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
+        ids = pipe.tokenize(cond_prompts)
+        context = text_encoder(ids).last_hidden_state
+        v = unet(x_t, t * 1000.0, encoder_hidden_states=context).sample
+        loss = torch.nn.functional.mse_loss(v, eps - x0)
+
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        if ema is not None:
+            decay = min(args.ema_decay, (1 + step) / (10 + step))  # short memory early on
+            with torch.no_grad():
+                torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+
+        loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
+        if step % args.log_every == 0 or step == 1:
+            el = time.time() - start
+            print(f"step {step:5d}  loss {loss_avg:.4f}  grad {grad_norm:.2f}  lr {sched.get_last_lr()[0]:.2e}  "
+                  f"{(step - first_step) / el:.2f} steps/s  {el / 60:.1f} min", flush=True)
+        if args.ckpt_every and args.ckpt_dir and step % args.ckpt_every == 0:
+            unet_sd, text_sd = ema_state()
+            ckpt = Path(args.ckpt_dir) / f"step-{step:05d}"
+            ev = eval_pipe(unet_sd, text_sd)
+            save(ev, unet_sd, str(ckpt))
+            torch.save(
+                {"step": step, "params": [p.detach() for p in params], "ema": ema, "opt": opt.state_dict(),
+                 "sched": sched.state_dict(), "numpy_rng": rng.bit_generator.state,
+                 "torch_rng": torch.get_rng_state(), "loss_avg": loss_avg},
+                ckpt / "train_state.pt",
+            )
+            if not args.no_eval:
+                t_ev = time.time()
+                res = {"heldout": evaluate(ev, heldout_prompts, 16, args.eval_steps, cfg_scale)}
+                print(f"[eval step {step}, {time.time() - t_ev:.0f}s] " + "  ".join(f"{k} {v:.2f}" for k, v in res["heldout"].items()), flush=True)
+                unet.train(), text_encoder.train()
+
+    print(f"trained to step {step} ({step - first_step} steps) in {(time.time() - start) / 60:.1f} min", flush=True)
+    unet_sd, text_sd = ema_state()
+    save(eval_pipe(unet_sd, text_sd), unet_sd, args.out)
+    print(f"saved to {args.out}", flush=True)
+
+    if not args.no_eval:
+        final = ShapesPipeline.from_pretrained(args.out)  # evaluate exactly what was saved
+        final.set_progress_bar_config(disable=True)
+        t_ev = time.time()
+        rows = {
+            "heldout": evaluate(final, heldout_prompts, args.eval_per_family, args.eval_steps, cfg_scale),
+            "train": evaluate(final, train_prompts, args.eval_per_family, args.eval_steps, cfg_scale),
+        }
+        print(f"\nShapesEval accuracy ({args.eval_steps} ODE steps, CFG {cfg_scale}, "
+              f"{args.eval_per_family} images per family; {time.time() - t_ev:.0f}s)")
+        print(format_table(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
