@@ -127,6 +127,19 @@ def _cmd_demo(args) -> int:
     return module.run_from_args(args)
 
 
+def _cmd_train_spm(args) -> int:
+    from diffalign.spm_training import load_spm_config, train_spm
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).is_file():  # no CONFIG, only overrides
+        config, overrides = None, [config, *overrides]
+    cfg = load_spm_config(config, overrides)
+    train_spm(cfg, overwrite=args.overwrite)
+    print(f"step-aware preference model: {cfg.output_dir} (reward: spm with model={cfg.output_dir})")
+    print(f"accuracy vs t: {Path(cfg.output_dir) / 'accuracy_vs_t.png'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffalign", description="Align diffusion / flow-matching image models with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -180,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
     p.add_argument("--device", default="cpu")
     p.set_defaults(fn=_cmd_demo)
+
+    p = sub.add_parser("train-spm", help="train a step-aware preference model (SPO) on preference pairs: "
+                                         "diffalign train-spm [CONFIG] [key=value ...]")
+    p.add_argument("config", nargs="?", help="YAML config (diffalign.spm_training.SPMTrainConfig); optional")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. pairs.file=data/pairs.jsonl")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous SPM in output_dir")
+    p.set_defaults(fn=_cmd_train_spm)
 
     p = sub.add_parser("list", help="known model families, rewards and algorithms")
     p.set_defaults(fn=_cmd_list)

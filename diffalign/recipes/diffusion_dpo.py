@@ -1,0 +1,201 @@
+"""Diffusion-DPO recipe: offline preference pairs -> the Diffusion-DPO loss against a frozen reference.
+
+The baseline SPO was designed to beat. Pairs come from a Pick-a-Pic-layout file
+(``algorithm.pairs``, see :mod:`diffalign.pairs`) or, when none is given, are generated once
+before training: ``algorithm.generate_images_per_prompt`` images per training prompt from the
+base model (deterministic sampler, ``sampling.eval_num_steps`` steps), labelled by the run's
+``reward`` (e.g. ShapesEval) and written to ``<output_dir>/pairs`` (reused on resume). Ties are
+dropped (Diffusion-DPO needs a winner).
+
+Every micro-batch: ``train.batch_size`` pairs, one noise level per pair (uniform), the same noise
+for winner and loser, the conditional denoiser (no CFG) of the policy and of the reference (LoRA
+disabled, or a frozen copy for full fine-tuning), and :func:`diffalign.algorithms.dpo.diffusion_dpo_loss`.
+An iteration is ``train.optimizer_steps_per_iteration`` optimizer steps of
+``algorithm.accumulation_steps`` micro-batches each. The math lives in
+:mod:`diffalign.algorithms.dpo`; the noising in :mod:`diffalign.forward_process`.
+
+Multi-process runs draw the global batch of pair indices, noise and noise levels from the shared
+generator and take their slice, with losses normalised by the global pair count (as Flow-GRPO);
+only the single-process path has been run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from diffalign.algorithms.dpo import diffusion_dpo_loss, per_sample_mse
+from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
+from diffalign.errors import DiffalignError, NonFiniteError
+from diffalign.forward_process import add_noise, denoising_target, encode_images, model_time
+from diffalign.pairs import PairSet, generate_pairs, read_pairs, write_pairs
+from diffalign.trainer import PromptSampler, Trainer
+
+GENERATED_PAIRS_DIR = "pairs"  # under the run directory
+
+
+@register_algorithm_config("diffusion_dpo")
+@dataclass
+class DiffusionDPOConfig(AlgorithmConfig):
+    name: str = "diffusion_dpo"
+    beta: float = 5000.0  # beta_dpo; the reference uses 5000 for SD1.5 / SDXL latents (scale with the error size)
+    pairs: Optional[str] = None  # Pick-a-Pic-layout pair file or folder; None = generate from the base model with `reward`
+    pairs_limit: int = 0  # read only the first N pairs of the file (0 = all)
+    generate_images_per_prompt: int = 4  # images per training prompt when generating (all within-prompt pairs are used)
+    generate_seed: int = 0  # sampler seed of the generated images
+    accumulation_steps: int = 1  # micro-batches of train.batch_size pairs per optimizer step
+    tau_min: float = 0.0  # noise levels are drawn uniformly in [tau_min, tau_max) (0 clean, 1 noise)
+    tau_max: float = 1.0
+
+    def validate(self) -> None:
+        _check(self.beta > 0, "algorithm.beta", "must be > 0")
+        _check(self.pairs_limit >= 0, "algorithm.pairs_limit", "must be >= 0")
+        _check(self.generate_images_per_prompt >= 2, "algorithm.generate_images_per_prompt", "must be >= 2 (pairs need two images)")
+        _check(self.accumulation_steps >= 1, "algorithm.accumulation_steps", "must be >= 1")
+        _check(0.0 <= self.tau_min < self.tau_max <= 1.0, "algorithm.tau_min", "and algorithm.tau_max must satisfy 0 <= tau_min < tau_max <= 1")
+
+
+class DiffusionDPOTrainer(Trainer):
+    needs_reference = True
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        self.algo: DiffusionDPOConfig = cfg.algorithm
+        self.generation: dict = {}
+
+    # ---- setup: pairs -----------------------------------------------------------------------
+    def setup(self) -> None:
+        algo = self.algo
+        file_pairs = None
+        if algo.pairs:  # read and check the file before the run directory is touched
+            file_pairs = read_pairs(algo.pairs, resolution=self.cfg.model.resolution or None, limit=algo.pairs_limit)
+            _check_has_winners(file_pairs)
+        super().setup()
+        if file_pairs is not None:
+            pairs = file_pairs
+        else:
+            pairs = self._generated_pairs()
+        _check_has_winners(pairs)
+        strict = pairs.strict()
+        winners, losers = strict.oriented()
+        self.winners = _resize(winners, self.resolution)
+        self.losers = _resize(losers, self.resolution)
+        self.pair_prompts = strict.prompts
+        self.pair_sampler = PromptSampler(list(range(len(strict))), self.cfg.seed + 1)  # cycles through pair indices
+        if self.resume:
+            state = getattr(self, "_pending_sampler_state", None)
+            if state is not None:
+                self.pair_sampler.load_state_dict(state)
+        self.log(f"  diffusion-dpo: {len(strict)} pairs with a winner ({len(pairs) - len(strict)} ties dropped)"
+                 + (f"; generated {self.generation}" if self.generation else ""))
+
+    def _generated_pairs(self) -> PairSet:
+        folder = self.run_dir / GENERATED_PAIRS_DIR
+        if self.resume and (folder / "pairs.jsonl").is_file():
+            return read_pairs(folder)
+        if self.accelerator.is_main_process:
+            self.adapter.denoiser.eval()
+            with self.autocast():
+                pairs, stats = generate_pairs(
+                    self.adapter, self.train_prompts, self.reward_fn, images_per_prompt=self.algo.generate_images_per_prompt,
+                    num_steps=self.cfg.sampling.eval_num_steps, guidance_scale=self.cfg.sampling.guidance_scale,
+                    resolution=self.resolution, seed=self.algo.generate_seed, batch_size=self.cfg.eval.batch_size,
+                    keep_ties=False, reward_name=self.cfg.reward.name,
+                )
+            write_pairs(pairs, folder)
+            self.generation = stats
+        self.accelerator.wait_for_everyone()
+        return read_pairs(folder) if not self.accelerator.is_main_process else pairs
+
+    # ---- training ---------------------------------------------------------------------------
+    def iteration(self, iteration: int) -> dict:
+        cfg, algo = self.cfg, self.algo
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        bs, dev = cfg.train.batch_size, self.device
+        stats = {k: [] for k in ("loss", "implicit_acc", "model_diff", "ref_diff", "model_mse", "grad_norm")}
+        steps_applied = 0
+        self.adapter.denoiser.train()
+        latent = self.adapter.latent_shape(self.resolution, self.resolution)
+        for _ in range(cfg.train.optimizer_steps_per_iteration):
+            bad = False
+            for _micro in range(algo.accumulation_steps):
+                # Global draws (same on every process), then this process's slice.
+                idx = torch.tensor(self.pair_sampler.next(bs * world))
+                noise = torch.randn((bs * world, *latent), generator=self.generator)
+                tau = algo.tau_min + (algo.tau_max - algo.tau_min) * torch.rand(bs * world, generator=self.generator)
+                mine = slice(rank * bs, (rank + 1) * bs)
+                idx, noise, tau = idx[mine], noise[mine].to(dev), tau[mine]
+                x0_w = encode_images(self.adapter, PairSet.to_float(self.winners[idx]))
+                x0_l = encode_images(self.adapter, PairSet.to_float(self.losers[idx]))
+                t = model_time(self.adapter, tau).to(dev)
+                x_t = torch.cat([add_noise(self.adapter, x0_w, noise, t), add_noise(self.adapter, x0_l, noise, t)])
+                target = torch.cat([denoising_target(self.adapter, x0_w, noise), denoising_target(self.adapter, x0_l, noise)])
+                prompts = [self.pair_prompts[int(i)] for i in idx]
+                embeds = self.adapter.encode_prompts(prompts + prompts, with_uncond=False)
+                with self.autocast():
+                    pred = self.adapter.predict(x_t, torch.cat([t, t]), embeds, 1.0)
+                err_w, err_l = per_sample_mse(pred, target).chunk(2)
+                with torch.no_grad(), self.reference_model(), self.autocast():
+                    ref = self.adapter.predict(x_t, torch.cat([t, t]), embeds, 1.0)
+                ref_w, ref_l = per_sample_mse(ref, target).chunk(2)
+                res = diffusion_dpo_loss(err_w, err_l, ref_w, ref_l, beta=algo.beta)
+                loss = res.per_pair.sum() / float(bs * world * algo.accumulation_steps)
+                if not torch.isfinite(loss):
+                    self.stats["nonfinite_losses"] += 1
+                    bad = True
+                    continue
+                self.accelerator.backward(loss)
+                stats["loss"].append(float(res.loss.detach()))
+                stats["implicit_acc"].append(float(res.implicit_accuracy))
+                stats["model_diff"].append(float(res.model_diff))
+                stats["ref_diff"].append(float(res.ref_diff))
+                stats["model_mse"].append(float(torch.cat([err_w, err_l]).mean().detach()))
+            if world > 1:
+                bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
+            if bad:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.stats["skipped_steps"] += 1
+                self._consecutive_bad_steps += 1
+                if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:
+                    raise NonFiniteError(f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite losses; stopping")
+                continue
+            norm, applied = self.optimizer_step()
+            stats["grad_norm"].append(norm)
+            steps_applied += int(applied)
+        out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
+        out["optimizer_steps"] = steps_applied
+        out["pairs_seen"] = steps_applied * algo.accumulation_steps * bs * world
+        return out
+
+    def print_header(self) -> None:
+        cfg, algo = self.cfg, self.algo
+        n_train = sum(p.numel() for p in self.trainable)
+        per_step = cfg.train.batch_size * algo.accumulation_steps * self.accelerator.num_processes
+        self.log(f"diffalign: diffusion_dpo on {cfg.model.id} ({self.adapter.family}, {self.resolution}px) -> {self.run_dir}")
+        self.log(f"  pairs per optimizer step {per_step}, optimizer steps per iteration {cfg.train.optimizer_steps_per_iteration}, "
+                 f"beta {algo.beta:g}, trainable params {n_train:,}, processes {self.accelerator.num_processes}, device {self.device}")
+
+    # ---- state ------------------------------------------------------------------------------
+    def extra_state(self) -> dict:
+        return {"pair_sampler": self.pair_sampler.state_dict()}
+
+    def load_extra_state(self, state: dict) -> None:
+        # Called from Trainer.setup() (resume) before the pairs exist; applied once they do.
+        self._pending_sampler_state = state.get("pair_sampler")
+
+
+def _check_has_winners(pairs: PairSet) -> None:
+    if not bool((pairs.label_0 != 0.5).any()):
+        raise DiffalignError(f"no preference pairs with a winner: all {len(pairs)} pairs are ties (label 0.5)")
+
+
+def _resize(images: torch.Tensor, resolution: int) -> torch.Tensor:
+    """uint8 ``(N, 3, H, W)`` resized (bicubic, antialiased) to ``resolution`` when needed."""
+    if images.shape[-1] == resolution and images.shape[-2] == resolution:
+        return images
+    x = F.interpolate(images.float(), size=(resolution, resolution), mode="bicubic", antialias=True, align_corners=False)
+    return x.round().clamp(0, 255).to(torch.uint8)
