@@ -173,12 +173,15 @@ def main(argv=None) -> dict:
         trainer.write_metrics({"iteration": st["iterations"], **record})
         st["iterations"] += 1
         st["optimizer_steps"] += int(record.get("optimizer_steps", 0))
-        while st["next_mark"] <= len(marks) and st["train_s"] >= marks[st["next_mark"] - 1]:
+        passed = 0
+        while st["next_mark"] + passed <= len(marks) and st["train_s"] >= marks[st["next_mark"] + passed - 1]:
+            passed += 1
+        if passed:  # one evaluation for every mark this iteration crossed (same weights)
             acc = evaluate(trainer)
-            st["curve"].append((st["train_s"], acc))
+            st["curve"] += [(st["train_s"], acc)] * passed
+            st["next_mark"] += passed
             print(f"  {m}: {st['train_s'] / 60:.2f} min of training, {st['iterations']} iterations -> held-out accuracy "
                   f"{100 * acc:.1f}%", flush=True)
-            st["next_mark"] += 1
 
     # ---- report -----------------------------------------------------------------------------------
     header = ["method", "prep (s)", "train (s)", "iterations", "opt. steps"] + [f"acc@{i + 1}/{args.marks}" for i in range(args.marks)]
