@@ -140,6 +140,27 @@ def _cmd_train_spm(args) -> int:
     return 0
 
 
+def _cmd_train_reward(args) -> int:
+    from diffalign.drm.train import load_drm_config, train_drm
+
+    cfg = load_drm_config(args.config, args.overrides)
+    train_drm(cfg, overwrite=args.overwrite)
+    print(f"DRM: {cfg.output_dir} (use with reward.name=drm reward.kwargs.path={cfg.output_dir})")
+    return 0
+
+
+def _cmd_sample(args) -> int:
+    from diffalign.drm.sampling import run_sample
+
+    prompts = list(args.prompt) if args.prompt else _eval_prompts(args)
+    prompts = [p for p in prompts for _ in range(args.samples_per_prompt)]
+    run_sample(model=args.model, prompts=prompts, out_dir=args.out, steps=args.steps, guidance_scale=args.guidance_scale,
+               seed=args.seed, resolution=args.resolution, drm_path=args.drm, branches=args.branches, kernel=args.kernel,
+               noise_level=args.noise_level, reward=args.reward, device=args.device)
+    print(f"samples: {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffalign", description="Align diffusion / flow-matching image models with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -200,6 +221,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. pairs.file=data/pairs.jsonl")
     p.add_argument("--overwrite", action="store_true", help="replace a previous SPM in output_dir")
     p.set_defaults(fn=_cmd_train_spm)
+
+    p = sub.add_parser("train-reward", help="train a diffusion-based reward model (DRM) on preference pairs: diffalign train-reward CONFIG")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous DRM in output_dir")
+    p.set_defaults(fn=_cmd_train_reward)
+
+    p = sub.add_parser("sample", help="sample images: plain (ODE) or step-wise (k SDE branches per step, the best under a DRM kept)")
+    p.add_argument("--model", default="shapes", help="model id or a run directory (its final/ weights)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); else --prompts")
+    p.add_argument("--prompts", default="heldout", help="heldout | train | a file with one prompt per line")
+    p.add_argument("--num-prompts", type=int, default=8, help="first N prompts only (0 = all)")
+    p.add_argument("--samples-per-prompt", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--guidance-scale", type=float, default=4.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resolution", type=int, default=0, help="0 = the model's default")
+    p.add_argument("--drm", default=None, help="DRM folder (diffalign train-reward) for step-wise sampling")
+    p.add_argument("--branches", type=int, default=1, help="k candidates per step; 1 = plain ODE sampling")
+    p.add_argument("--kernel", default="flow_grpo", help="SDE kernel of the branches (flow_grpo, cps, dance; ddim for epsilon models)")
+    p.add_argument("--noise-level", type=float, default=0.7)
+    p.add_argument("--reward", default=None, help="also score the samples with this reward (e.g. shapes_eval)")
+    p.add_argument("--out", default="samples", help="output folder: grid.png, samples.json")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(fn=_cmd_sample)
 
     p = sub.add_parser("list", help="known model families, rewards and algorithms")
     p.set_defaults(fn=_cmd_list)

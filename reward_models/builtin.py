@@ -14,6 +14,7 @@ _MODULES = [
     "reward_models.aesthetic",
     "reward_models.hpsv2",
     "reward_models.remote",
+    "reward_models.drm",
     "reward_models.spm",
 ]
 

@@ -13,6 +13,8 @@ from diffalign.errors import ConfigError
 
 _RECIPES: dict[str, str] = {
     "flow_grpo": "diffalign.recipes.flow_grpo:FlowGRPOTrainer",
+    "stepwise_flow_grpo": "diffalign.recipes.stepwise_flow_grpo:StepwiseFlowGRPOTrainer",
+    "drm_step_grpo": "diffalign.recipes.drm_step_grpo:StepGRPOTrainer",
     "spo": "diffalign.recipes.spo:SPOTrainer",
     "diffusion_dpo": "diffalign.recipes.diffusion_dpo:DiffusionDPOTrainer",
     "branch_grpo": "diffalign.recipes.branch_grpo:BranchGRPOTrainer",

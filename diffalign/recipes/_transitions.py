@@ -1,0 +1,167 @@
+"""Clipped policy-gradient updates on a flat set of transitions with per-transition advantages.
+
+Flow-GRPO's update (``diffalign.recipes.flow_grpo``) gives every trained step of a sample the
+sample's advantage. The dense-credit methods give each *transition* its own advantage:
+
+- Stepwise-Flow-GRPO: one transition per (sample, trained step), advantage from the step's gain;
+- DRM Step-GRPO: k candidate transitions from each shared state, advantage from the k DRM scores.
+
+Both are "a state ``x_t`` with k sampled next states" (k = 1 for the first), so one forward of the
+policy at ``(x_t, t)`` re-scores all k next states. :class:`TransitionTrainer` implements that
+update with the same guarantees as Flow-GRPO's: ratio 1 before the first optimizer step (checked),
+the loss normalised by the global number of (state, candidate) terms, gradients summed across
+processes (every process draws the same global shuffle and takes its share), non-finite losses
+skipped and counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from diffalign.adapters.base import PromptEmbeds
+from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
+from diffalign.errors import NonFiniteError
+from diffalign.trainer import SelfCheckError, Trainer
+
+
+@dataclass
+class Transitions:
+    """M states of this process, each with k sampled next states (CPU tensors).
+
+    ``states``: (M, *latent) — ``x_t``; ``next_states``: (M, k, *latent) — the sampled ``x_{t'}``;
+    ``t``, ``t_next``: (M,) — times of both (the adapter's convention);
+    ``embed_rows``: (M,) long — row of each state's prompt in the ``embeds`` passed to the update;
+    ``old_log_probs``: (M, k) — log-probs under the sampling policy; ``advantages``: (M, k);
+    ``keep``: (M, k) bool — terms that enter the loss;
+    ``global_ids``: (M,) long, strictly increasing — ids unique across processes in
+    ``[0, num_global)``, for the global shuffle.
+    """
+
+    states: torch.Tensor
+    next_states: torch.Tensor
+    t: torch.Tensor
+    t_next: torch.Tensor
+    embed_rows: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    keep: torch.Tensor
+    global_ids: torch.Tensor
+    num_global: int
+
+    def __len__(self) -> int:
+        return self.states.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.next_states.shape[1]
+
+
+class TransitionTrainer(Trainer):
+    """Trainer base for algorithms whose advantages are per transition (see the module docstring).
+
+    Subclasses set ``self.algo`` (a config with ``clip_range`` and ``beta``) and call
+    :meth:`update_transitions` from ``iteration``.
+    """
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        self.algo = cfg.algorithm
+        self.needs_reference = self.algo.beta > 0
+        self._checked = False  # on-policy self-check done (before the first optimizer step)
+
+    def update_transitions(self, tr: Transitions, embeds: PromptEmbeds) -> dict:
+        cfg, algo = self.cfg, self.algo
+        g = cfg.sampling.guidance_scale
+        dev = self.device
+        stats = {"loss": [], "policy_loss": [], "kl": [], "clip_frac": [], "approx_kl": [], "ratio_mean": [], "grad_norm": []}
+        steps_applied = 0
+        k = tr.k
+        state_keep = tr.keep.any(dim=1)
+        self.adapter.denoiser.train()
+        for _epoch in range(cfg.train.inner_epochs):
+            perm = torch.randperm(tr.num_global, generator=self.generator)  # same on every process
+            mine = torch.isin(perm, tr.global_ids)
+            order = torch.searchsorted(tr.global_ids, perm[mine])  # local rows in global shuffle order
+            order = order[state_keep[order]]
+            bs = cfg.train.batch_size
+            micro = [order[s : s + bs] for s in range(0, len(order), bs)]
+            groups = np.array_split(np.arange(len(micro)), cfg.train.optimizer_steps_per_iteration)
+            local_terms = torch.tensor([sum(int(tr.keep[micro[m]].sum()) for m in grp) for grp in groups], dtype=torch.float64)
+            global_terms = (self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu()
+                            if self.accelerator.num_processes > 1 else local_terms)
+            for gi, grp in enumerate(groups):
+                if global_terms[gi] == 0:
+                    continue  # nothing to learn from on any process
+                bad = False
+                for m in grp:
+                    rows = micro[m]
+                    x = tr.states[rows].to(dev)
+                    t = tr.t[rows].to(dev)
+                    t_next = tr.t_next[rows].to(dev)
+                    emb = embeds.select(tr.embed_rows[rows].to(next(iter(embeds.cond.values())).device))
+                    with self.autocast():
+                        out = self.adapter.predict(x, t, emb, g)
+                    # one forward, k candidates: repeat the state's output for each next state
+                    xk, outk = _rep(x, k), _rep(out, k)
+                    tk, tnk = t.repeat_interleave(k), t_next.repeat_interleave(k)
+                    nxt = tr.next_states[rows].to(dev).flatten(0, 1)
+                    step = self.kernel.step(outk, xk, tk, tnk, sde=True, prev_sample=nxt)
+                    keep = tr.keep[rows].flatten().to(dev)
+                    old = tr.old_log_probs[rows].flatten().to(dev)
+                    if not self._checked:
+                        self._self_check(step.log_prob.detach()[keep], old[keep], t)
+                    kl = None
+                    if algo.beta > 0:
+                        with torch.no_grad(), self.reference_model(), self.autocast():
+                            ref_out = self.adapter.predict(x, t, emb, g)
+                        ref = self.kernel.step(_rep(ref_out, k), xk, tk, tnk, sde=True, prev_sample=nxt)
+                        kl = gaussian_mean_kl(step.mean, ref.mean, step.std)[keep]
+                    res = ppo_clip_loss(step.log_prob[keep], old[keep], tr.advantages[rows].flatten().to(dev)[keep],
+                                        clip_range=algo.clip_range, kl=kl, beta=algo.beta)
+                    loss = res.per_sample.sum() / float(global_terms[gi])
+                    if not torch.isfinite(loss):
+                        self.stats["nonfinite_losses"] += 1
+                        bad = True
+                        continue
+                    self.accelerator.backward(loss)
+                    for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
+                        stats[key].append(float(getattr(res, key).detach()))
+                if self.accelerator.num_processes > 1:  # every process must skip together
+                    bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
+                if bad:  # a non-finite loss poisons the accumulated step: drop it, count it
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.stats["skipped_steps"] += 1
+                    self._consecutive_bad_steps += 1
+                    if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:
+                        raise NonFiniteError(f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite losses; stopping")
+                    continue
+                norm, applied = self.optimizer_step()
+                stats["grad_norm"].append(norm)
+                steps_applied += int(applied)
+                self._checked = True  # the policy has moved: later ratios need not be 1
+        out = {key: float(np.mean(v)) if v else float("nan") for key, v in stats.items()}
+        out["optimizer_steps"] = steps_applied
+        out["trained_terms"] = int(tr.keep.sum())
+        return out
+
+    def _self_check(self, new_logp: torch.Tensor, old_logp: torch.Tensor, t: torch.Tensor) -> None:
+        """Before the first update the policy *is* the sampling policy: the ratio must be 1."""
+        if not self.cfg.train.self_check or new_logp.numel() == 0:
+            return
+        worst = float((new_logp.float() - old_logp.float()).abs().max())
+        if not math.isfinite(worst) or worst > self.cfg.train.self_check_tolerance:
+            raise SelfCheckError(
+                f"on-policy self-check failed: |log ratio| = {worst:.3g} before any update (tolerance "
+                f"{self.cfg.train.self_check_tolerance:g}) at times {sorted(set(round(v, 4) for v in t.tolist()))}; the training "
+                "forward does not reproduce the sampler (check the adapter's predict, CFG batching and dtype), or raise "
+                "train.self_check_tolerance"
+            )
+
+
+def _rep(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(M, ...) -> (M k, ...), each row repeated k times in place (row-major over (M, k))."""
+    return x.repeat_interleave(k, dim=0) if k > 1 else x
