@@ -13,6 +13,8 @@ from diffalign.errors import ConfigError
 
 _RECIPES: dict[str, str] = {
     "flow_grpo": "diffalign.recipes.flow_grpo:FlowGRPOTrainer",
+    "diffusion_nft": "diffalign.recipes.diffusion_nft:DiffusionNFTTrainer",
+    "sol_rl": "diffalign.recipes.sol_rl:build_sol_rl_trainer",
     "stepwise_flow_grpo": "diffalign.recipes.stepwise_flow_grpo:StepwiseFlowGRPOTrainer",
     "drm_step_grpo": "diffalign.recipes.drm_step_grpo:StepGRPOTrainer",
     "spo": "diffalign.recipes.spo:SPOTrainer",
