@@ -90,9 +90,10 @@ def run_variant(name: str, args, prompts, base: dict | None) -> dict:
     budget = args.minutes * 60
     try:
         while train_seconds < budget:
-            t0 = time.perf_counter()
+            clock = time.perf_counter if args.clock == "wall" else time.process_time
+            t0 = clock()
             record = trainer.iteration(it)
-            record["seconds"] = time.perf_counter() - t0
+            record["seconds"] = clock() - t0
             train_seconds += record["seconds"]
             records.append(record)
             it += 1
@@ -129,6 +130,8 @@ def main(argv=None) -> dict:
     p.add_argument("--samples-per-prompt", type=int, default=2)
     p.add_argument("--seed", type=int, default=4321, help="eval seed")
     p.add_argument("--model", default="shapes", help="model.id for every variant (tiny:shapes for a smoke run)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="budget clock: wall (a free machine / GPU) or process CPU time (steadier on a shared CPU)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_branch_grpo_shapes"))
     p.add_argument("--branch-override", dest="branch_overrides", action="append", default=[], metavar="KEY=VALUE",

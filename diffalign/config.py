@@ -154,8 +154,15 @@ class TrainConfig:
     self_check: bool = True  # stop if the on-policy ratio before any update is not 1
     self_check_tolerance: float = 1e-3  # max |log ratio| allowed by the self-check
     max_nonfinite_losses: int = 3  # consecutive skipped optimizer steps before stopping
+    # DeepSpeed ZeRO over the data-parallel processes: 0 = off (diffalign all-reduces the gradients),
+    # 1 = optimizer states sharded, 2 = optimizer states and gradients sharded. Launching with
+    # configs/accelerate/deepspeed_zero2.yaml sets it from the accelerate config.
+    zero_stage: int = 0
+    attention: Literal["default", "xformers"] = "default"  # xformers: memory-efficient attention (CUDA + xformers)
 
     def validate(self) -> None:
+        _check(self.zero_stage in (0, 1, 2) and not isinstance(self.zero_stage, bool), "train.zero_stage",
+               "must be 0, 1 or 2 (ZeRO-3 partitions the weights the rollouts read; use FSDP for that)")
         _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
         _check(self.optimizer_steps_per_iteration >= 1, "train.optimizer_steps_per_iteration", "must be >= 1")
         _check(self.inner_epochs >= 1, "train.inner_epochs", "must be >= 1")

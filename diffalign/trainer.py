@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import reward_models
-from diffalign import runs
+from diffalign import distributed, runs
 from diffalign.adapters import load_adapter
 from diffalign.adapters.base import ModelAdapter
 from diffalign.config import RunConfig, dump_config, to_dict
@@ -202,6 +202,8 @@ class Trainer:
         self.start_iteration = 0
         self._consecutive_bad_steps = 0
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._ds_engine = None  # DeepSpeed ZeRO engine (train.zero_stage)
+        self._saved_iteration: Optional[int] = None  # the iteration of the last checkpoint written
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -279,7 +281,17 @@ class Trainer:
         else:
             optim_cls = torch.optim.AdamW
         self.optimizer = optim_cls(self.trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
-        self.optimizer = self.accelerator.prepare(self.optimizer)
+        self._ds_engine = None
+        stage = distributed.zero_stage(cfg, self.accelerator)
+        if stage:
+            # The rollouts call the raw denoiser (ZeRO-1/2 keep full weights on every process); the
+            # engine owns the gradient reduction, clipping and the sharded optimizer step.
+            self._ds_engine, self.optimizer = distributed.initialize(denoiser, self.optimizer, cfg, stage, self.accelerator.num_processes)
+            self.log(f"DeepSpeed ZeRO-{stage} over {self.accelerator.num_processes} processes")
+        else:
+            self.optimizer = self.accelerator.prepare(self.optimizer)
+        if cfg.train.attention == "xformers":
+            distributed.enable_xformers(self.adapter)
         self.ema = EMA(self.trainable, cfg.train.ema.decay, cfg.train.ema.every) if cfg.train.ema.enabled else None
 
     @contextlib.contextmanager
@@ -313,6 +325,10 @@ class Trainer:
             self._log(message)
 
     def autocast(self):
+        if self._ds_engine is not None and self.cfg.train.mixed_precision == "bf16":
+            # accelerate leaves precision to DeepSpeed when it launched it; the ZeRO path keeps fp32
+            # master weights and autocasts the forwards itself.
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return self.accelerator.autocast()
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
@@ -344,9 +360,32 @@ class Trainer:
                 )
         return rewards
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate one micro-batch's gradients (``loss`` is already normalised by the global
+        number of terms of the optimizer step, so gradients are summed over micro-batches and processes)."""
+        if self._ds_engine is not None:
+            distributed.backward(self._ds_engine, loss, self.accelerator.num_processes)
+        else:
+            self.accelerator.backward(loss)
+
+    def discard_gradients(self) -> None:
+        """Drop the accumulated gradients without a step (a non-finite loss poisoned them)."""
+        if self._ds_engine is not None:
+            distributed.discard(self._ds_engine, self.trainable)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip, check and apply the accumulated gradients. Returns (grad_norm, applied)."""
         params = self.trainable
+        if self._ds_engine is not None:
+            norm, applied = distributed.step(self._ds_engine, params)
+            if not applied:
+                return self._bad_step(norm)
+            self._consecutive_bad_steps = 0
+            if self.ema is not None:
+                self.ema.update()
+            return norm, True
         if self.accelerator.num_processes > 1:
             # Losses are normalised by global term counts, so the global gradient is the sum.
             import torch.distributed as dist
@@ -361,20 +400,23 @@ class Trainer:
             norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
-            self.stats["skipped_steps"] += 1
-            self._consecutive_bad_steps += 1
-            if self._consecutive_bad_steps > self.cfg.train.max_nonfinite_losses:
-                raise NonFiniteError(
-                    f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite gradients; stopping"
-                    " (lower optim.lr or check the reward)"
-                )
-            return norm, False
+            return self._bad_step(norm)
         self._consecutive_bad_steps = 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update()
         return norm, True
+
+    def _bad_step(self, norm: float) -> tuple[float, bool]:
+        self.stats["skipped_steps"] += 1
+        self._consecutive_bad_steps += 1
+        if self._consecutive_bad_steps > self.cfg.train.max_nonfinite_losses:
+            raise NonFiniteError(
+                f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite gradients; stopping"
+                " (lower optim.lr or check the reward)"
+            )
+        return norm, False
 
     def eval_weights(self):
         """Context: EMA weights when enabled and configured, else the current weights."""
@@ -415,11 +457,18 @@ class Trainer:
         return record
 
     # ---- state ------------------------------------------------------------------------------
-    def state_dict(self, next_iteration: int) -> dict:
+    def optimizer_state(self) -> dict | None:
+        """The optimizer's state; with ZeRO every process's partition, gathered on the main process
+        (a collective: every process calls it). None on the other processes."""
+        if self._ds_engine is not None:
+            return distributed.gather_optimizer_state(self.optimizer, self.accelerator.is_main_process)
+        return self.optimizer.state_dict()
+
+    def state_dict(self, next_iteration: int, optimizer_state: dict | None = None) -> dict:
         return {
             "iteration": next_iteration,
             "trainable": {n: p.detach().cpu().clone() for n, p in zip(self.trainable_names, self.trainable)},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state if optimizer_state is not None else self.optimizer.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "rng": {
                 "python": random.getstate(),
@@ -459,7 +508,13 @@ class Trainer:
         with torch.no_grad():
             for n, p in names.items():
                 p.copy_(state["trainable"][n].to(p.device, p.dtype))
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self._ds_engine is not None:
+            distributed.load_optimizer_state(self.optimizer, state["optimizer"], str(ckpt))
+        elif distributed.is_zero_state(state["optimizer"]):
+            raise runs.RunDirError(f"checkpoint {str(ckpt)!r} holds ZeRO optimizer partitions: resume it with train.zero_stage "
+                                   f"{state['optimizer']['zero_stage']}")
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
         rng = state["rng"]
@@ -473,6 +528,7 @@ class Trainer:
         self.stats.update(state["stats"])
         self.load_extra_state(state.get("extra") or {})
         self.start_iteration = state["iteration"]
+        self._saved_iteration = self.start_iteration
         if self.accelerator.is_main_process:
             self.metrics.truncate_from(self.start_iteration)
             runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
@@ -483,8 +539,11 @@ class Trainer:
             self.metrics.write(record)
 
     def save_checkpoint(self, next_iteration: int) -> None:
+        optimizer_state = self.optimizer_state()  # every process (ZeRO gathers its partitions)
         if self.accelerator.is_main_process:
-            runs.save_checkpoint(self.run_dir, next_iteration, self.state_dict(next_iteration), self.cfg.checkpoint.keep_last)
+            runs.save_checkpoint(self.run_dir, next_iteration, self.state_dict(next_iteration, optimizer_state),
+                                 self.cfg.checkpoint.keep_last)
+        self._saved_iteration = next_iteration
 
     # ---- final export -----------------------------------------------------------------------
     def save_final(self, iteration: int) -> Path:
@@ -544,7 +603,7 @@ class Trainer:
                     self.save_checkpoint(done)
             bar.close()
             final_iteration = max(cfg.max_iterations, self.start_iteration)
-            if not runs.latest_checkpoint(self.run_dir) or runs.latest_checkpoint(self.run_dir).name != f"{runs.CHECKPOINT_PREFIX}{final_iteration:06d}":
+            if self._saved_iteration != final_iteration:  # decided in memory: every process takes the same branch
                 self.save_checkpoint(final_iteration)
             last_eval = self.evaluate(final_iteration)
             self.write_metrics(last_eval)

@@ -14,5 +14,10 @@ python -m pip install --quiet --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 fi
+# DeepSpeed (ZeRO-1/2, also on CPU over gloo) is built against the torch above: no build isolation
+# (which would pull a CUDA torch into the build environment) and no compiled CUDA ops.
+if ! python -c "import deepspeed" 2>/dev/null; then
+  DS_BUILD_OPS=0 python -m pip install --quiet --no-build-isolation "deepspeed>=0.16,<0.20"
+fi
 python -m pip install --quiet -e ".[dev,demo]"
 python -c "import diffalign, torch; print(f'diffalign {diffalign.__version__} ready (torch {torch.__version__})')"

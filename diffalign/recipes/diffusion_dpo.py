@@ -148,7 +148,7 @@ class DiffusionDPOTrainer(Trainer):
                     self.stats["nonfinite_losses"] += 1
                     bad = True
                     continue
-                self.accelerator.backward(loss)
+                self.backward(loss)
                 stats["loss"].append(float(res.loss.detach()))
                 stats["implicit_acc"].append(float(res.implicit_accuracy))
                 stats["model_diff"].append(float(res.model_diff))
@@ -157,7 +157,7 @@ class DiffusionDPOTrainer(Trainer):
             if world > 1:
                 bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
             if bad:
-                self.optimizer.zero_grad(set_to_none=True)
+                self.discard_gradients()
                 self.stats["skipped_steps"] += 1
                 self._consecutive_bad_steps += 1
                 if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:

@@ -165,13 +165,13 @@ class FlowGRPOTrainer(Trainer):
                         self.stats["nonfinite_losses"] += 1
                         bad = True
                         continue
-                    self.accelerator.backward(loss)
+                    self.backward(loss)
                     for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
                         stats[key].append(float(getattr(res, key).detach()))
                 if self.accelerator.num_processes > 1:  # every process must skip together
                     bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
                 if bad:  # a non-finite loss poisons the accumulated step: drop it, count it
-                    self.optimizer.zero_grad(set_to_none=True)
+                    self.discard_gradients()
                     self.stats["skipped_steps"] += 1
                     self._consecutive_bad_steps += 1
                     if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:

@@ -290,7 +290,7 @@ class SPOTrainer(Trainer):
                         self.stats["nonfinite_losses"] += 1
                         bad = True
                         continue
-                    self.accelerator.backward(loss)
+                    self.backward(loss)
                     stats["loss"].append(float(res.loss.detach()))
                     stats["ratio_win"].append(float(res.ratio_win.mean()))
                     stats["ratio_lose"].append(float(res.ratio_lose.mean()))
@@ -299,7 +299,7 @@ class SPOTrainer(Trainer):
                 if world > 1:
                     bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=self.device), reduction="sum") > 0)
                 if bad:
-                    self.optimizer.zero_grad(set_to_none=True)
+                    self.discard_gradients()
                     self.stats["skipped_steps"] += 1
                     self._consecutive_bad_steps += 1
                     if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:

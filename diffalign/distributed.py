@@ -1,0 +1,176 @@
+"""DeepSpeed ZeRO-1/2 for the trainers, and xformers attention.
+
+Without ZeRO, diffalign all-reduces the accumulated gradients itself (``Trainer.optimizer_step``).
+With ``train.zero_stage`` 1 or 2 (or an accelerate config of type DEEPSPEED, which sets it) the
+trainable parameters and their optimizer go through ``deepspeed.initialize`` and the engine owns
+the reduction, the clipping and the sharded step. The engine is driven directly, because the
+update loops accumulate a number of micro-batches per optimizer step that is only known as they go
+(non-finite losses are skipped, groups with zero advantage are dropped):
+
+- each micro-batch: ``engine.backward(loss * world)`` off the accumulation boundary. diffalign's
+  losses are normalised by the *global* number of terms, so gradients must be summed over
+  processes; ZeRO averages them, hence the factor ``world``. ZeRO-2 reduces into its partitions at
+  every backward, ZeRO-1 at the boundary.
+- the optimizer step: one backward of ``sum(p) * 0`` on the boundary closes the accumulation
+  whatever the number of micro-batches before it, then ``engine.step()`` clips, steps the
+  partitioned optimizer and all-gathers the updated weights.
+- a poisoned step (a non-finite loss): the boundary backward carries NaN; DeepSpeed's own
+  overflow check then skips the step and clears every buffer.
+
+ZeRO-3 is refused: it partitions the weights, and the rollouts call the denoiser outside the
+engine. The rollouts and evaluation read the full weights, which ZeRO-1/2 keep on every process.
+Training precision: the trainable weights stay fp32 (the ZeRO master copy is fp32), the forwards
+run under bf16 autocast when ``train.mixed_precision=bf16``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from diffalign.errors import ConfigError, RunDirError
+
+
+def zero_stage(cfg, accelerator) -> int:
+    """The ZeRO stage this run uses: ``train.zero_stage``, or the accelerate DeepSpeed config's."""
+    stage = int(cfg.train.zero_stage)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        from accelerate.utils import DistributedType
+
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        if accelerator.distributed_type != DistributedType.DEEPSPEED or plugin is None:
+            raise ConfigError("the DeepSpeed accelerate config needs CUDA GPUs (accelerate runs DeepSpeed only there); on CPU "
+                              "launch with configs/accelerate/cpu_2proc.yaml and train.zero_stage=2")
+        theirs = int(plugin.zero_stage)
+        if theirs not in (1, 2):
+            raise ConfigError(f"the accelerate DeepSpeed config asks for zero_stage {theirs}; diffalign supports ZeRO-1 and "
+                              "ZeRO-2 (ZeRO-3 partitions the weights the rollouts read)")
+        if stage and stage != theirs:
+            raise ConfigError(f"config key 'train.zero_stage' ({stage}) disagrees with the accelerate DeepSpeed config "
+                              f"(zero_stage {theirs})")
+        offload = (plugin.deepspeed_config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+        if str(offload.get("device", "none")).lower() not in ("none", "null", ""):
+            raise ConfigError("the accelerate DeepSpeed config offloads the optimizer; diffalign's ZeRO path does not "
+                              "support offloading (set offload_optimizer_device: none)")
+        stage = theirs
+    if stage and accelerator.num_processes == 1:
+        return 0  # nothing to shard: the plain optimizer is the same computation
+    if stage and cfg.train.mixed_precision == "fp16":
+        raise ConfigError("config key 'train.mixed_precision' fp16 is not supported with ZeRO (no loss scaling); use bf16")
+    return stage
+
+
+def deepspeed_config(cfg, stage: int, world: int) -> dict:
+    """The DeepSpeed config of a run (a pure function of the run config)."""
+    return {
+        "train_micro_batch_size_per_gpu": cfg.train.batch_size,
+        "gradient_accumulation_steps": 1,  # boundaries are set by hand (see the module doc)
+        "train_batch_size": cfg.train.batch_size * world,
+        "zero_optimization": {"stage": stage, "contiguous_gradients": True, "overlap_comm": False, "reduce_scatter": True},
+        "gradient_clipping": float(cfg.optim.grad_clip),
+        "zero_allow_untested_optimizer": True,  # torch AdamW / bitsandbytes AdamW8bit
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},  # fp32 master weights; forwards use autocast
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def initialize(denoiser: torch.nn.Module, optimizer, cfg, stage: int, world: int):
+    """Wrap ``optimizer`` (over the denoiser's trainable parameters) in a ZeRO engine."""
+    try:
+        import deepspeed
+    except ImportError:
+        raise ConfigError(f"config key 'train.zero_stage' {stage} needs deepspeed (pip install 'diffalign[deepspeed]')") from None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError("config key 'train.zero_stage' needs a multi-process launch (accelerate launch --config_file "
+                          "configs/accelerate/ddp.yaml or cpu_2proc.yaml)")
+    engine, zero_optimizer, _, _ = deepspeed.initialize(model=denoiser, optimizer=optimizer,
+                                                        config=deepspeed_config(cfg, stage, world), dist_init_required=False)
+    return engine, zero_optimizer
+
+
+def _touch_all(params) -> torch.Tensor:
+    return sum((p * 0).sum() for p in params)
+
+
+def backward(engine, loss: torch.Tensor, world: int) -> None:
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(loss * world, scale_wrt_gas=False)
+
+
+def step(engine, params) -> tuple[float, bool]:
+    """Close the accumulation, step; returns (grad norm before clipping, applied)."""
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(_touch_all(params), scale_wrt_gas=False)
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    norm = float(norm) if norm is not None else float("nan")
+    applied = bool(engine.was_step_applied())
+    return (norm if applied else float("inf")), applied
+
+
+def discard(engine, params) -> None:
+    """Drop the accumulated gradients: a NaN boundary backward makes DeepSpeed skip the step."""
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(_touch_all(params) * float("nan"), scale_wrt_gas=False)
+    engine.step()
+    if engine.was_step_applied():  # cannot happen with DeepSpeed's overflow check; never step on NaN silently
+        raise RuntimeError("DeepSpeed applied an optimizer step with NaN gradients")
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def gather_optimizer_state(zero_optimizer, is_main: bool) -> dict | None:
+    """Every process's ZeRO partition, gathered on the main process (a collective)."""
+    import torch.distributed as dist
+
+    local = _to_cpu(zero_optimizer.state_dict())
+    parts = [None] * dist.get_world_size() if is_main else None
+    dist.gather_object(local, parts, dst=0)
+    if not is_main:
+        return None
+    return {"zero_stage": int(local.get("zero_stage", 0)) or None, "partitions": parts}
+
+
+def is_zero_state(state: Any) -> bool:
+    return isinstance(state, dict) and "partitions" in state and "zero_stage" in state
+
+
+def load_optimizer_state(zero_optimizer, state: dict, where: str) -> None:
+    import torch.distributed as dist
+
+    if not is_zero_state(state):
+        raise RunDirError(f"checkpoint {where!r} holds a plain optimizer state; resume it without ZeRO (train.zero_stage=0)")
+    world = dist.get_world_size()
+    if len(state["partitions"]) != world:
+        raise RunDirError(f"checkpoint {where!r} was written by {len(state['partitions'])} ZeRO processes; resume it with "
+                          f"the same number (this launch has {world})")
+    zero_optimizer.load_state_dict(state["partitions"], load_optimizer_states=True, load_from_fp32_weights=True)
+
+
+def enable_xformers(adapter) -> None:
+    """Memory-efficient attention from xformers for the pipeline (CUDA only)."""
+    if not torch.cuda.is_available():
+        raise ConfigError("config key 'train.attention' xformers needs a CUDA GPU; use 'default' (PyTorch SDPA) on CPU")
+    try:
+        import xformers  # noqa: F401
+    except ImportError:
+        raise ConfigError("config key 'train.attention' xformers needs xformers (pip install 'diffalign[gpu]')") from None
+    adapter.pipeline.enable_xformers_memory_efficient_attention()
+
+
+__all__ = ["zero_stage", "deepspeed_config", "initialize", "backward", "step", "discard", "gather_optimizer_state",
+           "load_optimizer_state", "is_zero_state", "enable_xformers"]

@@ -1,0 +1,144 @@
+"""DeepSpeed ZeRO-2 on two CPU processes (gloo): the same update as one process, exact resume,
+discarded steps, and the bad-input errors (ZeRO-3, fp16, xformers on CPU)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffalign.cli import main as cli_main
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra (scripts/setup.sh installs it)")
+
+COMMON = ["configs/tiny/flow_grpo_sd3.yaml", "log.progress_bar=false", "log.report=false", "eval.at_start=false",
+          "sampling.eval_num_steps=2", "train.ema.enabled=false", "optim.lr=1e-2", "train.batch_size=64"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args, cwd, nproc=1):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(cwd))
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                                                  "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    res = subprocess.run(launch + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def lora(out):
+    return load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+
+
+def records(out):
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
+
+
+def test_zero2_two_processes_match_one_and_resume_exactly(repo_root, tmp_path):
+    one, two, part = tmp_path / "one", tmp_path / "two", tmp_path / "part"
+    train = ["-m", "diffalign.cli", "train", *COMMON]
+    run([*train, f"output_dir={one}", "max_iterations=3", "rollout.prompts_per_iteration=2"], repo_root)
+    zero = ["rollout.prompts_per_iteration=1", "train.zero_stage=2", "checkpoint.every=1"]
+    run([*train, f"output_dir={two}", "max_iterations=3", *zero], repo_root, nproc=2)
+    a, b = lora(one), lora(two)
+    assert a.keys() == b.keys()
+    assert max(float(v.abs().max()) for v in a.values()) > 1e-3  # the update is real
+    for k in a:  # equal up to the order of floating-point sums across processes
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    assert [r["reward_mean"] for r in records(one)] == [r["reward_mean"] for r in records(two)]
+    # the checkpoint holds every process's optimizer partition; an interrupted ZeRO run resumes exactly
+    from diffalign import runs
+
+    state = runs.load_checkpoint(runs.latest_checkpoint(two))
+    assert state["optimizer"]["zero_stage"] == 2 and len(state["optimizer"]["partitions"]) == 2
+    run([*train, f"output_dir={part}", "max_iterations=2", *zero], repo_root, nproc=2)
+    run(["-m", "diffalign.cli", "resume", str(part), "max_iterations=3"], repo_root, nproc=2)
+    c = lora(part)
+    for k in b:
+        torch.testing.assert_close(b[k], c[k], rtol=1e-6, atol=1e-7)
+    assert [r["reward_mean"] for r in records(two)] == [r["reward_mean"] for r in records(part)]
+
+
+def test_zero2_discard_and_step(repo_root, tmp_path):
+    out = tmp_path / "seen.json"
+    run(["tests/zero_worker.py", str(out), str(tmp_path / "run")], repo_root, nproc=2)
+    seen = json.loads(out.read_text())
+    assert seen["world"] == 2
+    assert seen["unchanged_after_discard"] is True  # a poisoned accumulation never reaches the weights
+    assert seen["skipped"] == 0  # the recipes count skipped steps; discarding is their tool
+    assert seen["applied"] is True and seen["moved"] > 0
+    # the engine's norm is that of the gradient summed over micro-batches and processes
+    assert seen["norm"] == pytest.approx(seen["expected_norm"], rel=1e-4)
+
+
+def test_deepspeed_config_follows_the_run_config():
+    from diffalign.config import load_config
+    from diffalign.distributed import deepspeed_config
+
+    cfg = load_config("configs/tiny/flow_grpo_sd3.yaml", ["train.zero_stage=2", "train.batch_size=6", "optim.grad_clip=0.5"])
+    ds = deepspeed_config(cfg, 2, world=4)
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["train_micro_batch_size_per_gpu"] == 6 and ds["train_batch_size"] == 24
+    assert ds["gradient_clipping"] == 0.5 and not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.zero_stage=3", "train.zero_stage"),
+    ("train.attention=xformers", "train.attention"),
+])
+def test_bad_distributed_settings_exit_2(tmp_path, capsys, override, key):
+    if key == "train.attention" and torch.cuda.is_available():
+        pytest.skip("xformers may be usable on this machine")
+    out = tmp_path / "run"
+    code = cli_main(["train", *COMMON, f"output_dir={out}", "max_iterations=1", override])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error:") and key in err
+    assert not out.exists()  # nothing written
+
+
+class _Plugin:
+    def __init__(self, stage, offload="none"):
+        self.zero_stage = stage
+        self.deepspeed_config = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload}}}
+
+
+class _Accel:
+    def __init__(self, plugin, num_processes=8):
+        from accelerate.utils import DistributedType
+
+        self.state = type("S", (), {"deepspeed_plugin": plugin})()
+        self.distributed_type = DistributedType.DEEPSPEED if plugin else DistributedType.MULTI_CPU
+        self.num_processes = num_processes
+
+
+def test_zero_stage_from_the_accelerate_config(monkeypatch):
+    import yaml
+
+    from diffalign.config import load_config
+    from diffalign.distributed import zero_stage
+    from diffalign.errors import ConfigError
+
+    shipped = yaml.safe_load(open("configs/accelerate/deepspeed_zero2.yaml"))
+    assert shipped["distributed_type"] == "DEEPSPEED" and shipped["deepspeed_config"]["zero_stage"] == 2
+    cfg = load_config("configs/tiny/flow_grpo_sd3.yaml", [])
+    assert zero_stage(cfg, _Accel(None, 2)) == 0
+    assert zero_stage(load_config("configs/tiny/flow_grpo_sd3.yaml", ["train.zero_stage=2"]), _Accel(None, 1)) == 0  # one process
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert zero_stage(cfg, _Accel(_Plugin(2))) == 2
+    with pytest.raises(ConfigError, match="zero_stage 3"):
+        zero_stage(cfg, _Accel(_Plugin(3)))
+    with pytest.raises(ConfigError, match="offload"):
+        zero_stage(cfg, _Accel(_Plugin(2, offload="cpu")))
+    with pytest.raises(ConfigError, match="disagrees"):
+        zero_stage(load_config("configs/tiny/flow_grpo_sd3.yaml", ["train.zero_stage=1"]), _Accel(_Plugin(2)))
+    with pytest.raises(ConfigError, match="needs CUDA GPUs"):  # accelerate's DeepSpeed launcher on a CPU machine
+        zero_stage(cfg, _Accel(None, 2))
