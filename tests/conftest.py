@@ -18,3 +18,12 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Benchmarks called in-process set torch's thread count; later tests must not inherit it
+    (results of fixed-seed training runs depend on the reduction order)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
