@@ -25,6 +25,7 @@ run under bf16 autocast when ``train.mixed_precision=bf16``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -172,5 +173,116 @@ def enable_xformers(adapter) -> None:
     adapter.pipeline.enable_xformers_memory_efficient_attention()
 
 
-__all__ = ["zero_stage", "deepspeed_config", "initialize", "backward", "step", "discard", "gather_optimizer_state",
-           "load_optimizer_state", "is_zero_state", "enable_xformers"]
+
+
+# ---- FSDP (torch's fully_shard) -------------------------------------------------------------------
+# Parameters are sharded at rest and all-gathered per block for every forward, so *every process
+# must run the same forwards*: the update loops pad their micro-batches to the global maximum with
+# zero-loss forwards (Trainer.lockstep_counts), evaluation runs on every process, and checkpoints
+# and exports gather the full tensors collectively.
+
+def fsdp_requested(cfg) -> bool:
+    """``train.fsdp``, or a launch with accelerate's FSDP config (which sets ACCELERATE_USE_FSDP)."""
+    on = bool(cfg.train.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if on and cfg.train.zero_stage:
+        raise ConfigError("config keys 'train.fsdp' and 'train.zero_stage' exclude each other; pick one")
+    return on
+
+
+def shard_denoiser(denoiser: torch.nn.Module, device: torch.device, world: int) -> list:
+    """``fully_shard`` every block of the denoiser's block lists, then the denoiser itself. Returns
+    the FSDP units. Gradients are summed over processes (diffalign normalises losses globally)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    units = []
+    for child in denoiser.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                if any(True for _ in block.parameters()):
+                    fully_shard(block, mesh=mesh)
+                    units.append(block)
+    fully_shard(denoiser, mesh=mesh)
+    units.append(denoiser)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    return units
+
+
+def is_dtensor(x: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def to_full(obj: Any) -> Any:
+    """Replace every DTensor in a nested structure by its full tensor on the CPU (a collective:
+    every process walks the same structure in the same order)."""
+    if is_dtensor(obj):
+        return obj.full_tensor().detach().cpu().clone()  # own storage (safetensors reads it)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_full(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_full(v) for v in obj)
+    return obj
+
+
+def shard_like(full: torch.Tensor, like) -> torch.Tensor:
+    """A full tensor laid out like ``like`` (a DTensor: this process's shard), else moved to its device."""
+    if is_dtensor(like):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements)
+    return full.to(like.device)
+
+
+def shard_optimizer_state(saved: dict, optimizer) -> dict:
+    """A full-tensor optimizer state dict re-laid out like the optimizer's (DTensor) parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for idx, entry in saved["state"].items():
+        p = params[int(idx)]
+        state[idx] = {k: (shard_like(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(p.shape)
+                          else v) for k, v in entry.items()}
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def fsdp_grad_norm_clip(params, max_norm: float) -> float:
+    """Global gradient norm (and clipping when max_norm > 0) over sharded gradients."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm(grads)
+    if is_dtensor(norm):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+@contextlib.contextmanager
+def full_parameters(module: torch.nn.Module, swap: bool = True):
+    """Every process gathers the full parameters (a collective); where ``swap``, the module holds
+    them as plain tensors inside the block (for export through diffusers / peft), its sharded
+    parameters are put back after. No forward may run inside."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():  # the root stays unsharded after a forward: reshard first, or its
+        if isinstance(unit, FSDPModule):  # state-dict hook would re-register the sharded parameters
+            unit.reshard()
+    full = {n: to_full(p) for n, p in module.named_parameters()}
+    saved = []
+    if swap:
+        for name, tensor in full.items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            saved.append((owner, attr, owner._parameters[attr]))
+            owner._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    try:
+        yield
+    finally:
+        for owner, attr, param in saved:
+            owner._parameters[attr] = param

@@ -192,6 +192,9 @@ class Trainer:
     #: algorithms whose reference model is needed (KL) set this from their config
     needs_reference: bool = False
 
+    #: the update loop keeps every process's forwards in lockstep (``lockstep_counts``): FSDP may shard it
+    supports_fsdp = False
+
     def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, log: Callable[[str], None] | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
@@ -204,6 +207,7 @@ class Trainer:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._ds_engine = None  # DeepSpeed ZeRO engine (train.zero_stage)
         self._saved_iteration: Optional[int] = None  # the iteration of the last checkpoint written
+        self._fsdp_units: Optional[list] = None  # FSDP units (train.fsdp)
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -265,10 +269,19 @@ class Trainer:
         self._lora_layers = [m for m in denoiser.modules() if isinstance(m, BaseTunerLayer)]
         if cfg.train.gradient_checkpointing and hasattr(denoiser, "enable_gradient_checkpointing"):
             denoiser.enable_gradient_checkpointing()
+        for p in denoiser.parameters():  # trainable weights in fp32 whatever the model dtype (mixed precision)
+            if p.requires_grad:
+                p.data = p.data.float()
+        self._fsdp_units = None
+        if distributed.fsdp_requested(cfg):
+            if not self.supports_fsdp:
+                raise ConfigError(f"config key 'train.fsdp': algorithm {cfg.algorithm.name!r} does not support FSDP yet "
+                                  "(flow_grpo does); use train.zero_stage=2")
+        if distributed.fsdp_requested(cfg) and self.accelerator.num_processes > 1:  # one process: nothing to shard
+            self._fsdp_units = distributed.shard_denoiser(denoiser, self.device, self.accelerator.num_processes)
+            self.log(f"FSDP: {len(self._fsdp_units)} units over {self.accelerator.num_processes} processes")
         self.trainable_names = [n for n, p in denoiser.named_parameters() if p.requires_grad]
         self.trainable = [p for p in denoiser.parameters() if p.requires_grad]
-        for p in self.trainable:  # trainable weights in fp32 whatever the model dtype (mixed precision)
-            p.data = p.data.float()
         if not self.trainable:
             raise ConfigError("config key 'lora' leaves no trainable parameters")
         opt = cfg.optim
@@ -288,7 +301,7 @@ class Trainer:
             # engine owns the gradient reduction, clipping and the sharded optimizer step.
             self._ds_engine, self.optimizer = distributed.initialize(denoiser, self.optimizer, cfg, stage, self.accelerator.num_processes)
             self.log(f"DeepSpeed ZeRO-{stage} over {self.accelerator.num_processes} processes")
-        else:
+        elif self._fsdp_units is None:  # under FSDP the plain optimizer steps the sharded parameters
             self.optimizer = self.accelerator.prepare(self.optimizer)
         if cfg.train.attention == "xformers":
             distributed.enable_xformers(self.adapter)
@@ -375,9 +388,36 @@ class Trainer:
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP: every process must run the same forwards (evaluation included)."""
+        return self._fsdp_units is not None
+
+    def lockstep_counts(self, counts: list[int]) -> list[int]:
+        """How many micro-batches every process must run per optimizer step: the global maximum of
+        ``counts`` under FSDP (processes with fewer run zero-loss forwards), else ``counts``."""
+        if not self.sharded:
+            return list(counts)
+        import torch.distributed as dist
+
+        t = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
+
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip, check and apply the accumulated gradients. Returns (grad_norm, applied)."""
         params = self.trainable
+        if self._fsdp_units is not None:  # gradients already reduce-scattered (summed) by FSDP
+            norm = distributed.fsdp_grad_norm_clip(params, self.cfg.optim.grad_clip)
+            if not math.isfinite(norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                return self._bad_step(norm)
+            self._consecutive_bad_steps = 0
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.ema is not None:
+                self.ema.update()
+            return norm, True
         if self._ds_engine is not None:
             norm, applied = distributed.step(self._ds_engine, params)
             if not applied:
@@ -427,6 +467,10 @@ class Trainer:
     # ---- evaluation -------------------------------------------------------------------------
     def evaluate(self, iteration: int, *, save_grid: bool = True) -> dict:
         """Sample the eval prompts with fixed seeds (ODE) and score them; main process only."""
+        if self.sharded:  # sharded forwards: every process samples the same images
+            record = self._evaluate(iteration, save_grid=save_grid)
+            self.accelerator.wait_for_everyone()
+            return record if self.accelerator.is_main_process else {}
         if not self.accelerator.is_main_process:
             self.accelerator.wait_for_everyone()
             return {}
@@ -462,14 +506,17 @@ class Trainer:
         (a collective: every process calls it). None on the other processes."""
         if self._ds_engine is not None:
             return distributed.gather_optimizer_state(self.optimizer, self.accelerator.is_main_process)
+        if self.sharded:
+            return distributed.to_full(self.optimizer.state_dict())
         return self.optimizer.state_dict()
 
     def state_dict(self, next_iteration: int, optimizer_state: dict | None = None) -> dict:
         return {
             "iteration": next_iteration,
-            "trainable": {n: p.detach().cpu().clone() for n, p in zip(self.trainable_names, self.trainable)},
+            "trainable": {n: distributed.to_full(p) if self.sharded else p.detach().cpu().clone()
+                          for n, p in zip(self.trainable_names, self.trainable)},
             "optimizer": optimizer_state if optimizer_state is not None else self.optimizer.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "ema": (distributed.to_full(self.ema.state_dict()) if self.sharded else self.ema.state_dict()) if self.ema is not None else None,
             "rng": {
                 "python": random.getstate(),
                 "numpy": np.random.get_state(),
@@ -507,16 +554,21 @@ class Trainer:
             raise runs.RunDirError(f"checkpoint {str(ckpt)!r} does not match the model: {len(missing)} trainable tensors missing")
         with torch.no_grad():
             for n, p in names.items():
-                p.copy_(state["trainable"][n].to(p.device, p.dtype))
+                p.copy_(distributed.shard_like(state["trainable"][n].to(p.dtype), p))
         if self._ds_engine is not None:
             distributed.load_optimizer_state(self.optimizer, state["optimizer"], str(ckpt))
         elif distributed.is_zero_state(state["optimizer"]):
             raise runs.RunDirError(f"checkpoint {str(ckpt)!r} holds ZeRO optimizer partitions: resume it with train.zero_stage "
                                    f"{state['optimizer']['zero_stage']}")
+        elif self.sharded:
+            self.optimizer.load_state_dict(distributed.shard_optimizer_state(state["optimizer"], self.optimizer))
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
+            ema = state["ema"]
+            if self.sharded:
+                ema = {**ema, "shadow": [distributed.shard_like(v, s) for v, s in zip(ema["shadow"], self.ema.shadow)]}
+            self.ema.load_state_dict(ema)
         rng = state["rng"]
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
@@ -539,9 +591,11 @@ class Trainer:
             self.metrics.write(record)
 
     def save_checkpoint(self, next_iteration: int) -> None:
-        optimizer_state = self.optimizer_state()  # every process (ZeRO gathers its partitions)
+        optimizer_state = self.optimizer_state()  # every process (ZeRO / FSDP gather their shards)
+        if self.sharded:  # gathering the full tensors is a collective
+            state = self.state_dict(next_iteration, optimizer_state)
         if self.accelerator.is_main_process:
-            runs.save_checkpoint(self.run_dir, next_iteration, self.state_dict(next_iteration, optimizer_state),
+            runs.save_checkpoint(self.run_dir, next_iteration, state if self.sharded else self.state_dict(next_iteration, optimizer_state),
                                  self.cfg.checkpoint.keep_last)
         self._saved_iteration = next_iteration
 
@@ -549,18 +603,27 @@ class Trainer:
     def save_final(self, iteration: int) -> Path:
         """``final/``: LoRA weights (``pipeline.load_lora_weights(final/)``) or the full pipeline
         (``DiffusionPipeline.from_pretrained(final/)``), the EMA weights when eval uses them."""
-        from diffalign.export import save_trained_weights
-
         final = self.run_dir / "final"
+        if self.sharded:  # every process gathers the full weights; the main one writes them
+            with self.eval_weights(), distributed.full_parameters(self.adapter.denoiser, swap=self.accelerator.is_main_process):
+                if self.accelerator.is_main_process:
+                    self._save_weights(final, iteration)
+            self.accelerator.wait_for_everyone()
+            return final
         if self.accelerator.is_main_process:
             with self.eval_weights():
-                save_trained_weights(self.adapter, final, lora=self.cfg.lora.enabled, metadata={
-                    "base_model": self.cfg.model.id, "family": self.adapter.family,
-                    "algorithm": self.cfg.algorithm.name, "reward": self.cfg.reward.name,
-                    "iterations": iteration, "ema": self.ema is not None and self.cfg.eval.use_ema,
-                    "lora": to_dict(self.cfg.lora) if self.cfg.lora.enabled else None,
-                })
+                self._save_weights(final, iteration)
         return final
+
+    def _save_weights(self, final: Path, iteration: int) -> None:
+        from diffalign.export import save_trained_weights
+
+        save_trained_weights(self.adapter, final, lora=self.cfg.lora.enabled, metadata={
+            "base_model": self.cfg.model.id, "family": self.adapter.family,
+            "algorithm": self.cfg.algorithm.name, "reward": self.cfg.reward.name,
+            "iterations": iteration, "ema": self.ema is not None and self.cfg.eval.use_ema,
+            "lora": to_dict(self.cfg.lora) if self.cfg.lora.enabled else None,
+        })
 
     # ---- main loop --------------------------------------------------------------------------
     def iteration(self, iteration: int) -> dict:

@@ -142,3 +142,28 @@ def test_zero_stage_from_the_accelerate_config(monkeypatch):
         zero_stage(load_config("configs/tiny/flow_grpo_sd3.yaml", ["train.zero_stage=1"]), _Accel(_Plugin(2)))
     with pytest.raises(ConfigError, match="needs CUDA GPUs"):  # accelerate's DeepSpeed launcher on a CPU machine
         zero_stage(cfg, _Accel(None, 2))
+
+
+def test_8bit_adam_needs_bitsandbytes(tmp_path, capsys):
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        out = tmp_path / "run"
+        assert cli_main(["train", *COMMON, f"output_dir={out}", "max_iterations=1", "optim.use_8bit_adam=true"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("error:") and "optim.use_8bit_adam" in err and "bitsandbytes" in err
+        assert not out.exists()
+        return
+    pytest.skip("bitsandbytes is installed: the GPU test below covers it")
+
+
+@pytest.mark.gpu
+def test_xformers_and_8bit_adam_on_gpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("xformers")
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "run"
+    assert cli_main(["train", *COMMON, f"output_dir={out}", "max_iterations=2", "train.attention=xformers",
+                     "optim.use_8bit_adam=true", "train.mixed_precision=bf16", "model.dtype=bfloat16"]) == 0
+    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()

@@ -25,6 +25,8 @@ from diffalign.trainer import SelfCheckError, Trainer
 
 
 class FlowGRPOTrainer(Trainer):
+    supports_fsdp = True
+
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
         self.algo: FlowGRPOConfig = cfg.algorithm
@@ -133,6 +135,7 @@ class FlowGRPOTrainer(Trainer):
             # Terms per optimizer step, summed over processes: the loss is their global mean.
             local_terms = torch.tensor([sum(len(order[micro[m][0]]) for m in grp) for grp in groups], dtype=torch.float64)
             global_terms = self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu() if self.accelerator.num_processes > 1 else local_terms
+            forwards = self.lockstep_counts([len(grp) for grp in groups])  # FSDP: the same forwards everywhere
             for gi, grp in enumerate(groups):
                 if global_terms[gi] == 0:
                     continue  # every process had nothing to learn from (all groups zero-std)
@@ -164,10 +167,14 @@ class FlowGRPOTrainer(Trainer):
                     if not torch.isfinite(loss):
                         self.stats["nonfinite_losses"] += 1
                         bad = True
+                        if self.sharded:  # the backward's collectives must still run; the step is dropped below
+                            self.backward(torch.nan_to_num(loss) * 0.0)
                         continue
                     self.backward(loss)
                     for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
                         stats[key].append(float(getattr(res, key).detach()))
+                for _ in range(forwards[gi] - len(grp)):
+                    self._idle_forward(traj, embeds, g)
                 if self.accelerator.num_processes > 1:  # every process must skip together
                     bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
                 if bad:  # a non-finite loss poisons the accumulated step: drop it, count it
@@ -184,6 +191,22 @@ class FlowGRPOTrainer(Trainer):
         out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
         out["optimizer_steps"] = steps_applied
         return out
+
+    def _idle_forward(self, traj: Trajectory, embeds, g: float) -> None:
+        """A zero-loss forward and backward (and the reference forward when beta > 0) on one local
+        sample: under FSDP a process with fewer micro-batches joins the others' collectives."""
+        dev = self.device
+        rows = torch.zeros(1, dtype=torch.long)
+        step = int(torch.nonzero(traj.sde_mask).flatten()[0])
+        x = traj.latents[rows, step].to(dev)
+        t = traj.timesteps[step].to(dev)
+        emb = embeds.select(rows.to(embeds.cond[next(iter(embeds.cond))].device))
+        with self.autocast():
+            out = self.adapter.predict(x, t, emb, g)
+        if self.algo.beta > 0:
+            with torch.no_grad(), self.reference_model(), self.autocast():
+                self.adapter.predict(x, t, emb, g)
+        self.backward(out.float().sum() * 0.0)
 
     def _self_check(self, new_logp: torch.Tensor, old_logp: torch.Tensor, steps: torch.Tensor) -> None:
         """Before the first update the policy *is* the sampling policy: the ratio must be 1."""

@@ -281,6 +281,8 @@ class SolRLGRPOTrainer(TwoStageRollout, FlowGRPOTrainer):
     the chosen seeds with the SDE of ``sampling.kernel`` (initial noise and SDE noise from the
     seed; ``sampling.window_*`` for ODE outside a window), and Flow-GRPO's clipped loss trains on it."""
 
+    supports_fsdp = False  # the low-precision copy is built from the policy's full weights
+
     sampling_adapter = DEFAULT_ADAPTER  # on-policy: the current policy samples
 
     def __init__(self, cfg, **kwargs):
