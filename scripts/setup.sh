@@ -17,6 +17,7 @@ fi
 # DeepSpeed (ZeRO-1/2, also on CPU over gloo) is built against the torch above: no build isolation
 # (which would pull a CUDA torch into the build environment) and no compiled CUDA ops.
 if ! python -c "import deepspeed" 2>/dev/null; then
+  python -m pip install --quiet "setuptools>=70.1"  # builds wheels without the 'wheel' package
   DS_BUILD_OPS=0 python -m pip install --quiet --no-build-isolation "deepspeed>=0.16,<0.20"
 fi
 python -m pip install --quiet -e ".[dev,demo]"
