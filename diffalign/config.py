@@ -160,7 +160,7 @@ class TrainConfig:
     zero_stage: int = 0
     # FSDP (torch fully_shard): weights, gradients and optimizer states sharded per denoiser block
     # (full fine-tuning of a model too large for one device). Launching with
-    # configs/accelerate/fsdp.yaml sets it. Flow-GRPO only for now.
+    # configs/accelerate/fsdp.yaml sets it. Flow-GRPO and Stepwise-Flow-GRPO for now.
     fsdp: bool = False
     attention: Literal["default", "xformers"] = "default"  # xformers: memory-efficient attention (CUDA + xformers)
 

@@ -276,7 +276,7 @@ class Trainer:
         if distributed.fsdp_requested(cfg):
             if not self.supports_fsdp:
                 raise ConfigError(f"config key 'train.fsdp': algorithm {cfg.algorithm.name!r} does not support FSDP yet "
-                                  "(flow_grpo does); use train.zero_stage=2")
+                                  "(flow_grpo and stepwise_flow_grpo do); use train.zero_stage=2")
         if distributed.fsdp_requested(cfg) and self.accelerator.num_processes > 1:  # one process: nothing to shard
             self._fsdp_units = distributed.shard_denoiser(denoiser, self.device, self.accelerator.num_processes)
             self.log(f"FSDP: {len(self._fsdp_units)} units over {self.accelerator.num_processes} processes")
@@ -403,6 +403,16 @@ class Trainer:
         t = torch.tensor(counts, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [int(v) for v in t.tolist()]
+
+    def idle_forward(self, x: torch.Tensor, t: torch.Tensor, embeds, guidance_scale: float, *, reference: bool) -> None:
+        """A zero-loss training forward and backward (plus the reference forward when the loss has a
+        KL term): under FSDP a process with fewer micro-batches joins the others' collectives."""
+        with self.autocast():
+            out = self.adapter.predict(x, t, embeds, guidance_scale)
+        if reference:
+            with torch.no_grad(), self.reference_model(), self.autocast():
+                self.adapter.predict(x, t, embeds, guidance_scale)
+        self.backward(out.float().sum() * 0.0)
 
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip, check and apply the accumulated gradients. Returns (grad_norm, applied)."""

@@ -93,6 +93,7 @@ class TransitionTrainer(Trainer):
             local_terms = torch.tensor([sum(int(tr.keep[micro[m]].sum()) for m in grp) for grp in groups], dtype=torch.float64)
             global_terms = (self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu()
                             if self.accelerator.num_processes > 1 else local_terms)
+            forwards = self.lockstep_counts([len(grp) for grp in groups])  # FSDP: the same forwards everywhere
             for gi, grp in enumerate(groups):
                 if global_terms[gi] == 0:
                     continue  # nothing to learn from on any process
@@ -126,10 +127,16 @@ class TransitionTrainer(Trainer):
                     if not torch.isfinite(loss):
                         self.stats["nonfinite_losses"] += 1
                         bad = True
+                        if self.sharded:  # the backward's collectives must still run; the step is dropped below
+                            self.backward(torch.nan_to_num(loss) * 0.0)
                         continue
                     self.backward(loss)
                     for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
                         stats[key].append(float(getattr(res, key).detach()))
+                for _ in range(forwards[gi] - len(grp)):  # FSDP padding: this process's first state
+                    rows = torch.zeros(1, dtype=torch.long)
+                    emb = embeds.select(tr.embed_rows[rows].to(next(iter(embeds.cond.values())).device))
+                    self.idle_forward(tr.states[rows].to(dev), tr.t[rows].to(dev), emb, g, reference=algo.beta > 0)
                 if self.accelerator.num_processes > 1:  # every process must skip together
                     bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
                 if bad:  # a non-finite loss poisons the accumulated step: drop it, count it

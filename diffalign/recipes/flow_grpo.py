@@ -193,20 +193,12 @@ class FlowGRPOTrainer(Trainer):
         return out
 
     def _idle_forward(self, traj: Trajectory, embeds, g: float) -> None:
-        """A zero-loss forward and backward (and the reference forward when beta > 0) on one local
-        sample: under FSDP a process with fewer micro-batches joins the others' collectives."""
-        dev = self.device
+        """FSDP padding: a zero-loss forward on this process's first sample at its first SDE step."""
         rows = torch.zeros(1, dtype=torch.long)
         step = int(torch.nonzero(traj.sde_mask).flatten()[0])
-        x = traj.latents[rows, step].to(dev)
-        t = traj.timesteps[step].to(dev)
         emb = embeds.select(rows.to(embeds.cond[next(iter(embeds.cond))].device))
-        with self.autocast():
-            out = self.adapter.predict(x, t, emb, g)
-        if self.algo.beta > 0:
-            with torch.no_grad(), self.reference_model(), self.autocast():
-                self.adapter.predict(x, t, emb, g)
-        self.backward(out.float().sum() * 0.0)
+        self.idle_forward(traj.latents[rows, step].to(self.device), traj.timesteps[step].to(self.device), emb, g,
+                          reference=self.algo.beta > 0)
 
     def _self_check(self, new_logp: torch.Tensor, old_logp: torch.Tensor, steps: torch.Tensor) -> None:
         """Before the first update the policy *is* the sampling policy: the ratio must be 1."""

@@ -62,6 +62,7 @@ def trainable_steps(kernel: Kernel, schedule: torch.Tensor, sde_mask: torch.Tens
 
 
 class StepwiseFlowGRPOTrainer(TransitionTrainer):
+    supports_fsdp = True  # the per-transition update keeps every process's forwards in lockstep
     algo: StepwiseFlowGRPOConfig
 
     def _setup_trainable(self) -> None:
