@@ -417,43 +417,32 @@ class Trainer:
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip, check and apply the accumulated gradients. Returns (grad_norm, applied)."""
         params = self.trainable
-        if self._fsdp_units is not None:  # gradients already reduce-scattered (summed) by FSDP
-            norm = distributed.fsdp_grad_norm_clip(params, self.cfg.optim.grad_clip)
-            if not math.isfinite(norm):
-                self.optimizer.zero_grad(set_to_none=True)
-                return self._bad_step(norm)
-            self._consecutive_bad_steps = 0
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.ema is not None:
-                self.ema.update()
-            return norm, True
-        if self._ds_engine is not None:
+        if self._ds_engine is not None:  # the engine reduces, clips, checks and steps
             norm, applied = distributed.step(self._ds_engine, params)
             if not applied:
                 return self._bad_step(norm)
-            self._consecutive_bad_steps = 0
-            if self.ema is not None:
-                self.ema.update()
-            return norm, True
-        if self.accelerator.num_processes > 1:
-            # Losses are normalised by global term counts, so the global gradient is the sum.
-            import torch.distributed as dist
-
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        if self.cfg.optim.grad_clip > 0:
-            norm = float(self.accelerator.clip_grad_norm_(params, self.cfg.optim.grad_clip))
         else:
-            norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
-        if not math.isfinite(norm):
+            if self._fsdp_units is not None:  # gradients already reduce-scattered (summed) by FSDP
+                norm = distributed.fsdp_grad_norm_clip(params, self.cfg.optim.grad_clip)
+            else:
+                if self.accelerator.num_processes > 1:
+                    # Losses are normalised by global term counts, so the global gradient is the sum.
+                    import torch.distributed as dist
+
+                    for p in params:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                if self.cfg.optim.grad_clip > 0:
+                    norm = float(self.accelerator.clip_grad_norm_(params, self.cfg.optim.grad_clip))
+                else:
+                    norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
+            if not math.isfinite(norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                return self._bad_step(norm)
+            self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            return self._bad_step(norm)
         self._consecutive_bad_steps = 0
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update()
         return norm, True

@@ -1,29 +1,15 @@
 """Two CPU processes (gloo) compute the same advantages and update as one process over the same samples."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.launch import launch
+
 COMMON = ["configs/tiny/flow_grpo_sd3.yaml", "max_iterations=2", "log.progress_bar=false", "log.report=false",
           "eval.at_start=false", "sampling.eval_num_steps=2", "train.ema.enabled=false", "optim.lr=1e-2",
           "train.batch_size=64", "--overwrite"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(cmd, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(cwd))
-    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
 
 
 def train_records(out):
@@ -32,10 +18,8 @@ def train_records(out):
 
 def test_two_processes_match_one(repo_root, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    run([sys.executable, "-m", "diffalign.cli", "train", *COMMON, f"output_dir={one}", "rollout.prompts_per_iteration=2"], repo_root)
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-         f"--master_port={free_port()}", "-m", "diffalign.cli", "train", *COMMON, f"output_dir={two}",
-         "rollout.prompts_per_iteration=1"], repo_root)
+    launch(["-m", "diffalign.cli", "train", *COMMON, f"output_dir={one}", "rollout.prompts_per_iteration=2"], repo_root)
+    launch(["-m", "diffalign.cli", "train", *COMMON, f"output_dir={two}", "rollout.prompts_per_iteration=1"], repo_root, nproc=2)
     a, b = train_records(one), train_records(two)
     # same samples and rewards, hence the same advantages
     assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]

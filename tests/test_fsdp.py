@@ -3,35 +3,17 @@ weights as one process over the same samples and resumes exactly; a process with
 joins the other's forwards (no deadlock, same update); bad settings stop with exit code 2."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from diffalign.cli import main as cli_main
+from tests.helpers.launch import launch as run
 
 COMMON = ["configs/tiny/flow_grpo_sd3.yaml", "log.progress_bar=false", "log.report=false", "eval.at_start=false",
           "sampling.eval_num_steps=2", "optim.lr=1e-3", "train.batch_size=64"]
 FULL_FT = ["lora.enabled=false", "train.ema.enabled=true", "train.ema.every=1", "checkpoint.every=1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(args, cwd, nproc=1):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(cwd))
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                                                  "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    res = subprocess.run(launch + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res
 
 
 def records(out):
