@@ -124,21 +124,11 @@ def discard(engine, params) -> None:
         raise RuntimeError("DeepSpeed applied an optimizer step with NaN gradients")
 
 
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
 def gather_optimizer_state(zero_optimizer, is_main: bool) -> dict | None:
     """Every process's ZeRO partition, gathered on the main process (a collective)."""
     import torch.distributed as dist
 
-    local = _to_cpu(zero_optimizer.state_dict())
+    local = to_full(zero_optimizer.state_dict())  # plain tensors: on the CPU
     parts = [None] * dist.get_world_size() if is_main else None
     dist.gather_object(local, parts, dst=0)
     if not is_main:
