@@ -243,11 +243,10 @@ def shard_optimizer_state(saved: dict, optimizer) -> dict:
 
 def fsdp_grad_norm_clip(params, max_norm: float) -> float:
     """Global gradient norm (and clipping when max_norm > 0) over sharded gradients."""
-    grads = [p.grad for p in params if p.grad is not None]
     if max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:
-        norm = torch.nn.utils.get_total_norm(grads)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     if is_dtensor(norm):
         norm = norm.full_tensor()
     return float(norm)

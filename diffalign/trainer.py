@@ -273,11 +273,11 @@ class Trainer:
             if p.requires_grad:
                 p.data = p.data.float()
         self._fsdp_units = None
-        if distributed.fsdp_requested(cfg):
-            if not self.supports_fsdp:
-                raise ConfigError(f"config key 'train.fsdp': algorithm {cfg.algorithm.name!r} does not support FSDP yet "
-                                  "(flow_grpo and stepwise_flow_grpo do); use train.zero_stage=2")
-        if distributed.fsdp_requested(cfg) and self.accelerator.num_processes > 1:  # one process: nothing to shard
+        fsdp = distributed.fsdp_requested(cfg)
+        if fsdp and not self.supports_fsdp:
+            raise ConfigError(f"config key 'train.fsdp': algorithm {cfg.algorithm.name!r} does not support FSDP yet "
+                              "(flow_grpo and stepwise_flow_grpo do); use train.zero_stage=2")
+        if fsdp and self.accelerator.num_processes > 1:  # one process: nothing to shard
             self._fsdp_units = distributed.shard_denoiser(denoiser, self.device, self.accelerator.num_processes)
             self.log(f"FSDP: {len(self._fsdp_units)} units over {self.accelerator.num_processes} processes")
         self.trainable_names = [n for n, p in denoiser.named_parameters() if p.requires_grad]
@@ -591,11 +591,10 @@ class Trainer:
 
     def save_checkpoint(self, next_iteration: int) -> None:
         optimizer_state = self.optimizer_state()  # every process (ZeRO / FSDP gather their shards)
-        if self.sharded:  # gathering the full tensors is a collective
+        if self.sharded or self.accelerator.is_main_process:  # under FSDP gathering the tensors is a collective
             state = self.state_dict(next_iteration, optimizer_state)
         if self.accelerator.is_main_process:
-            runs.save_checkpoint(self.run_dir, next_iteration, state if self.sharded else self.state_dict(next_iteration, optimizer_state),
-                                 self.cfg.checkpoint.keep_last)
+            runs.save_checkpoint(self.run_dir, next_iteration, state, self.cfg.checkpoint.keep_last)
         self._saved_iteration = next_iteration
 
     # ---- final export -----------------------------------------------------------------------
