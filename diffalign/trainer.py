@@ -447,15 +447,55 @@ class Trainer:
             self.ema.update()
         return norm, True
 
-    def _bad_step(self, norm: float) -> tuple[float, bool]:
+    def _bad_step(self, norm: float, what: str = "gradients") -> tuple[float, bool]:
         self.stats["skipped_steps"] += 1
         self._consecutive_bad_steps += 1
         if self._consecutive_bad_steps > self.cfg.train.max_nonfinite_losses:
             raise NonFiniteError(
-                f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite gradients; stopping"
+                f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite {what}; stopping"
                 " (lower optim.lr or check the reward)"
             )
         return norm, False
+
+    def accumulate(self, loss: torch.Tensor) -> bool:
+        """Backward one micro-batch's loss and return True; a non-finite loss is counted
+        (``stats["nonfinite_losses"]``), its gradients never reach the parameters, and False
+        marks the optimizer step as poisoned for :meth:`close_step`. Under FSDP a zero backward
+        still runs so that every process takes part in the same collectives."""
+        if torch.isfinite(loss):
+            self.backward(loss)
+            return True
+        self.stats["nonfinite_losses"] += 1
+        if self.sharded:
+            self.backward(torch.nan_to_num(loss) * 0.0)
+        return False
+
+    def close_step(self, poisoned: bool) -> tuple[float, bool]:
+        """End one optimizer step's accumulation. Every process learns whether any of them saw a
+        non-finite loss; if so the accumulated gradients are dropped and the step is counted in
+        ``stats["skipped_steps"]`` (``NonFiniteError`` after ``train.max_nonfinite_losses`` in a
+        row), else :meth:`optimizer_step` runs. Returns (grad_norm, applied); grad_norm is NaN
+        for a dropped step."""
+        if self.accelerator.num_processes > 1:  # every process must skip together
+            flag = torch.tensor(float(poisoned), device=self.device)
+            poisoned = bool(self.accelerator.reduce(flag, reduction="sum") > 0)
+        if poisoned:
+            self.discard_gradients()
+            return self._bad_step(float("nan"), "losses")
+        return self.optimizer_step()
+
+    def check_log_ratio(self, new_logp: torch.Tensor, old_logp: torch.Tensor, where: str, sampler: str = "sampler") -> None:
+        """The on-policy self-check: before the first update the training forward *is* the
+        sampling policy, so every log-ratio must be 0 to ``train.self_check_tolerance``."""
+        if not self.cfg.train.self_check or new_logp.numel() == 0:
+            return
+        worst = float((new_logp.float() - old_logp.float()).abs().max())
+        if not math.isfinite(worst) or worst > self.cfg.train.self_check_tolerance:
+            raise SelfCheckError(
+                f"on-policy self-check failed: |log ratio| = {worst:.3g} before any update (tolerance "
+                f"{self.cfg.train.self_check_tolerance:g}) {where}; the training forward does not reproduce the {sampler} "
+                "(check the adapter's predict, CFG batching and dtype), or raise train.self_check_tolerance"
+            )
 
     def eval_weights(self):
         """Context: EMA weights when enabled and configured, else the current weights."""

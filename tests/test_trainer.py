@@ -182,3 +182,38 @@ def test_flow_grpo_raises_compressibility_on_tiny_sd3(repo_root, tmp_path, seed)
     assert evals[-1] - evals[0] > 0.007, evals
     # the rollout reward (16 samples per iteration) is noisy: compare the first and last three iterations
     assert sum(train[-3:]) / 3 - sum(train[:3]) / 3 > 0.002, train
+
+
+def test_nonfinite_loss_drops_the_step_counts_it_and_stops_after_the_limit(repo_root, tmp_path):
+    """The one update path every recipe uses: a NaN loss never reaches the weights, the poisoned
+    step is dropped and counted, a finite step resets the run of bad steps, and more than
+    ``train.max_nonfinite_losses`` bad steps in a row stop the run."""
+    from diffalign.errors import NonFiniteError
+
+    cfg = load_config(repo_root / SD3, [f"output_dir={tmp_path / 'r'}", "max_iterations=1", "train.max_nonfinite_losses=2", *FAST])
+    trainer = build_trainer(cfg)
+    trainer.setup()
+    params = trainer.trainable
+    before = [p.detach().clone() for p in params]
+
+    def loss_of(scale: float) -> torch.Tensor:
+        return sum((p.float() ** 2).sum() for p in params) * scale
+
+    assert trainer.accumulate(loss_of(1e-3)) is True
+    assert trainer.accumulate(loss_of(float("nan"))) is False  # poisons the step
+    norm, applied = trainer.close_step(True)
+    assert not applied and norm != norm  # NaN: no step, no grad norm
+    assert all(torch.equal(a, p) for a, p in zip(before, params)) and all(p.grad is None for p in params)
+    assert trainer.stats["nonfinite_losses"] == 1 and trainer.stats["skipped_steps"] == 1
+
+    trainer.accumulate(loss_of(1e-3))
+    norm, applied = trainer.close_step(False)
+    assert applied and norm > 0 and any(not torch.equal(a, p) for a, p in zip(before, params))
+
+    for _ in range(2):  # two bad steps in a row are tolerated ...
+        assert trainer.accumulate(loss_of(float("inf"))) is False
+        assert trainer.close_step(True) == (pytest.approx(float("nan"), nan_ok=True), False)
+    trainer.accumulate(loss_of(float("nan")))
+    with pytest.raises(NonFiniteError, match="3 consecutive optimizer steps had non-finite losses"):
+        trainer.close_step(True)  # ... the third stops the run
+    assert trainer.stats["skipped_steps"] == 4

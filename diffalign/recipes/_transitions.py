@@ -16,7 +16,6 @@ skipped and counted.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +23,7 @@ import torch
 
 from diffalign.adapters.base import PromptEmbeds
 from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
-from diffalign.errors import NonFiniteError
-from diffalign.trainer import SelfCheckError, Trainer
+from diffalign.trainer import Trainer
 
 
 @dataclass
@@ -114,7 +112,7 @@ class TransitionTrainer(Trainer):
                     keep = tr.keep[rows].flatten().to(dev)
                     old = tr.old_log_probs[rows].flatten().to(dev)
                     if not self._checked:
-                        self._self_check(step.log_prob.detach()[keep], old[keep], t)
+                        self.check_log_ratio(step.log_prob.detach()[keep], old[keep], f"at times {sorted(set(round(v, 4) for v in t.tolist()))}")
                     kl = None
                     if algo.beta > 0:
                         with torch.no_grad(), self.reference_model(), self.autocast():
@@ -124,49 +122,24 @@ class TransitionTrainer(Trainer):
                     res = ppo_clip_loss(step.log_prob[keep], old[keep], tr.advantages[rows].flatten().to(dev)[keep],
                                         clip_range=algo.clip_range, kl=kl, beta=algo.beta)
                     loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not torch.isfinite(loss):
-                        self.stats["nonfinite_losses"] += 1
+                    if not self.accumulate(loss):
                         bad = True
-                        if self.sharded:  # the backward's collectives must still run; the step is dropped below
-                            self.backward(torch.nan_to_num(loss) * 0.0)
                         continue
-                    self.backward(loss)
                     for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
                         stats[key].append(float(getattr(res, key).detach()))
                 for _ in range(forwards[gi] - len(grp)):  # FSDP padding: this process's first state
                     rows = torch.zeros(1, dtype=torch.long)
                     emb = embeds.select(tr.embed_rows[rows].to(next(iter(embeds.cond.values())).device))
                     self.idle_forward(tr.states[rows].to(dev), tr.t[rows].to(dev), emb, g, reference=algo.beta > 0)
-                if self.accelerator.num_processes > 1:  # every process must skip together
-                    bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
-                if bad:  # a non-finite loss poisons the accumulated step: drop it, count it
-                    self.discard_gradients()
-                    self.stats["skipped_steps"] += 1
-                    self._consecutive_bad_steps += 1
-                    if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:
-                        raise NonFiniteError(f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite losses; stopping")
-                    continue
-                norm, applied = self.optimizer_step()
-                stats["grad_norm"].append(norm)
+                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
+                if applied:
+                    stats["grad_norm"].append(norm)
                 steps_applied += int(applied)
-                self._checked = True  # the policy has moved: later ratios need not be 1
+                self._checked |= applied  # the policy has moved: later ratios need not be 1
         out = {key: float(np.mean(v)) if v else float("nan") for key, v in stats.items()}
         out["optimizer_steps"] = steps_applied
         out["trained_terms"] = int(tr.keep.sum())
         return out
-
-    def _self_check(self, new_logp: torch.Tensor, old_logp: torch.Tensor, t: torch.Tensor) -> None:
-        """Before the first update the policy *is* the sampling policy: the ratio must be 1."""
-        if not self.cfg.train.self_check or new_logp.numel() == 0:
-            return
-        worst = float((new_logp.float() - old_logp.float()).abs().max())
-        if not math.isfinite(worst) or worst > self.cfg.train.self_check_tolerance:
-            raise SelfCheckError(
-                f"on-policy self-check failed: |log ratio| = {worst:.3g} before any update (tolerance "
-                f"{self.cfg.train.self_check_tolerance:g}) at times {sorted(set(round(v, 4) for v in t.tolist()))}; the training "
-                "forward does not reproduce the sampler (check the adapter's predict, CFG batching and dtype), or raise "
-                "train.self_check_tolerance"
-            )
 
 
 def _rep(x: torch.Tensor, k: int) -> torch.Tensor:

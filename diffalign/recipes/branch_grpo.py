@@ -21,7 +21,6 @@ on-policy self-check, non-finite handling).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -40,9 +39,9 @@ from diffalign.algorithms.branch_grpo import (
 )
 from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
-from diffalign.errors import ConfigError, NonFiniteError
+from diffalign.errors import ConfigError
 from diffalign.sampling import build_kernel, sde_window_mask
-from diffalign.trainer import SelfCheckError, Trainer
+from diffalign.trainer import Trainer
 from diffalign.tree_rollout import TreeTrajectory, draw_tree, measure_forward_memory, sample_tree
 
 MIB = 1024 * 1024
@@ -329,7 +328,8 @@ class BranchGRPOTrainer(Trainer):
                     step = self.kernel.step(out, x, t, t_next, sde=True, prev_sample=x_next)
                     old_logp = traj.log_probs[trees_l, nodes].to(dev)
                     if not self._checked:
-                        self._self_check(step.log_prob.detach(), old_logp, depth[nodes] - 1)
+                        self.check_log_ratio(step.log_prob.detach(), old_logp, f"on tree edges at steps {sorted(set((depth[nodes] - 1).tolist()))}",
+                                             "tree sampler")
                     kl = None
                     if algo.beta > 0:
                         with torch.no_grad(), self.reference_model(), self.autocast():
@@ -340,42 +340,20 @@ class BranchGRPOTrainer(Trainer):
                     res = ppo_clip_loss(step.log_prob, old_logp, advantages[trees_g, nodes].to(dev),
                                         clip_range=algo.clip_range, kl=kl, beta=algo.beta)
                     loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not torch.isfinite(loss):
-                        self.stats["nonfinite_losses"] += 1
+                    if not self.accumulate(loss):
                         bad = True
                         continue
-                    self.backward(loss)
                     for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
                         stats[key].append(float(getattr(res, key).detach()))
-                if self.accelerator.num_processes > 1:  # every process must skip together
-                    bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
-                if bad:  # a non-finite loss poisons the accumulated step: drop it, count it
-                    self.discard_gradients()
-                    self.stats["skipped_steps"] += 1
-                    self._consecutive_bad_steps += 1
-                    if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:
-                        raise NonFiniteError(f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite losses; stopping")
-                    continue
-                norm, applied = self.optimizer_step()
-                stats["grad_norm"].append(norm)
+                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
+                if applied:
+                    stats["grad_norm"].append(norm)
                 steps_applied += int(applied)
-                self._checked = True  # the policy has moved: later ratios need not be 1
+                self._checked |= applied  # the policy has moved: later ratios need not be 1
         out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
         out["optimizer_steps"] = steps_applied
         out["nfe_train"] = int(self._reduce_sum([train_nfe])[0])
         return out
-
-    def _self_check(self, new_logp: torch.Tensor, old_logp: torch.Tensor, steps: torch.Tensor) -> None:
-        """Before the first update the policy *is* the sampling policy: every edge's ratio must be 1."""
-        if not self.cfg.train.self_check:
-            return
-        worst = float((new_logp.float() - old_logp.float()).abs().max())
-        if not math.isfinite(worst) or worst > self.cfg.train.self_check_tolerance:
-            raise SelfCheckError(
-                f"on-policy self-check failed: |log ratio| = {worst:.3g} before any update (tolerance "
-                f"{self.cfg.train.self_check_tolerance:g}) on tree edges at steps {sorted(set(steps.tolist()))}; the training forward "
-                "does not reproduce the tree sampler (check the adapter's predict, CFG batching and dtype), or raise "
-                "train.self_check_tolerance")
 
     # ---- the tree picture -------------------------------------------------------------------
     def _capture_picture(self, iteration, prompt, traj: TreeTrajectory, leaf_rewards, advantages, edges) -> None:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from diffalign.algorithms.dpo import diffusion_dpo_loss, per_sample_mse
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
-from diffalign.errors import DiffalignError, NonFiniteError
+from diffalign.errors import DiffalignError
 from diffalign.forward_process import add_noise, denoising_target, encode_images, model_time
 from diffalign.pairs import PairSet, generate_pairs, read_pairs, write_pairs
 from diffalign.trainer import PromptSampler, Trainer
@@ -144,27 +144,17 @@ class DiffusionDPOTrainer(Trainer):
                 ref_w, ref_l = per_sample_mse(ref, target).chunk(2)
                 res = diffusion_dpo_loss(err_w, err_l, ref_w, ref_l, beta=algo.beta)
                 loss = res.per_pair.sum() / float(bs * world * algo.accumulation_steps)
-                if not torch.isfinite(loss):
-                    self.stats["nonfinite_losses"] += 1
+                if not self.accumulate(loss):
                     bad = True
                     continue
-                self.backward(loss)
                 stats["loss"].append(float(res.loss.detach()))
                 stats["implicit_acc"].append(float(res.implicit_accuracy))
                 stats["model_diff"].append(float(res.model_diff))
                 stats["ref_diff"].append(float(res.ref_diff))
                 stats["model_mse"].append(float(torch.cat([err_w, err_l]).mean().detach()))
-            if world > 1:
-                bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
-            if bad:
-                self.discard_gradients()
-                self.stats["skipped_steps"] += 1
-                self._consecutive_bad_steps += 1
-                if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:
-                    raise NonFiniteError(f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite losses; stopping")
-                continue
-            norm, applied = self.optimizer_step()
-            stats["grad_norm"].append(norm)
+            norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
+            if applied:
+                stats["grad_norm"].append(norm)
             steps_applied += int(applied)
         out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
         out["optimizer_steps"] = steps_applied

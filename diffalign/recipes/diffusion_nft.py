@@ -36,7 +36,7 @@ from diffalign.adapters.base import PromptEmbeds
 from diffalign.algorithms.diffusion_nft import ema_update_, nft_loss, old_policy_decay
 from diffalign.algorithms.flow_grpo import group_advantages
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
-from diffalign.errors import ConfigError, NonFiniteError
+from diffalign.errors import ConfigError
 from diffalign.seeded import SEED_HIGH, sample_seeded, seed_noise
 from diffalign.trainer import SelfCheckError, Trainer
 
@@ -320,27 +320,17 @@ class DiffusionNFTTrainer(Trainer):
                                    adv_clip=algo.adv_clip, policy_loss_scale=algo.policy_loss_scale, kl_beta=algo.kl_beta,
                                    weight_min=algo.weight_min)
                     loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not torch.isfinite(loss):
-                        self.stats["nonfinite_losses"] += 1
+                    if not self.accumulate(loss):
                         bad = True
                         continue
-                    self.backward(loss)
                     for key in keys:
                         stats[key].append(float(getattr(res, key).detach()))
-                if self.accelerator.num_processes > 1:  # every process must skip together
-                    bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
-                if bad:
-                    self.discard_gradients()
-                    self.stats["skipped_steps"] += 1
-                    self._consecutive_bad_steps += 1
-                    if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:
-                        raise NonFiniteError(f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite losses; stopping")
-                    continue
-                norm, applied = self.optimizer_step()
-                stats["grad_norm"].append(norm)
+                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
+                if applied:
+                    stats["grad_norm"].append(norm)
                 steps_applied += int(applied)
                 self.optimizer_steps_done += int(applied)
-                self._checked = True  # the trained adapter has moved away from the old one
+                self._checked |= applied  # the trained adapter has moved away from the old one
         out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
         out["optimizer_steps"] = steps_applied
         return out

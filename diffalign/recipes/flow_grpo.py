@@ -12,16 +12,14 @@ processes. Two processes therefore compute the same update as one process over t
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
 
 from diffalign.algorithms.flow_grpo import gaussian_mean_kl, group_advantages, ppo_clip_loss
 from diffalign.config import FlowGRPOConfig
-from diffalign.errors import NonFiniteError
 from diffalign.sampling import Trajectory, sample_linear, sde_window_mask
-from diffalign.trainer import SelfCheckError, Trainer
+from diffalign.trainer import Trainer
 
 
 class FlowGRPOTrainer(Trainer):
@@ -154,7 +152,7 @@ class FlowGRPOTrainer(Trainer):
                     step = self.kernel.step(out, x, t, t_next, sde=True, prev_sample=x_next)
                     old_logp = traj.log_probs[rows, steps].to(dev)
                     if not self._checked:
-                        self._self_check(step.log_prob.detach(), old_logp, steps)
+                        self.check_log_ratio(step.log_prob.detach(), old_logp, f"at steps {sorted(set(steps.tolist()))}")
                     kl = None
                     if algo.beta > 0:
                         with torch.no_grad(), self.reference_model(), self.autocast():
@@ -164,30 +162,18 @@ class FlowGRPOTrainer(Trainer):
                     res = ppo_clip_loss(step.log_prob, old_logp, advantages[rows + first_local].to(dev),
                                         clip_range=algo.clip_range, kl=kl, beta=algo.beta)
                     loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not torch.isfinite(loss):
-                        self.stats["nonfinite_losses"] += 1
+                    if not self.accumulate(loss):
                         bad = True
-                        if self.sharded:  # the backward's collectives must still run; the step is dropped below
-                            self.backward(torch.nan_to_num(loss) * 0.0)
                         continue
-                    self.backward(loss)
                     for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
                         stats[key].append(float(getattr(res, key).detach()))
                 for _ in range(forwards[gi] - len(grp)):
                     self._idle_forward(traj, embeds, g)
-                if self.accelerator.num_processes > 1:  # every process must skip together
-                    bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=dev), reduction="sum") > 0)
-                if bad:  # a non-finite loss poisons the accumulated step: drop it, count it
-                    self.discard_gradients()
-                    self.stats["skipped_steps"] += 1
-                    self._consecutive_bad_steps += 1
-                    if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:
-                        raise NonFiniteError(f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite losses; stopping")
-                    continue
-                norm, applied = self.optimizer_step()
-                stats["grad_norm"].append(norm)
+                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
+                if applied:
+                    stats["grad_norm"].append(norm)
                 steps_applied += int(applied)
-                self._checked = True  # the policy has moved: later ratios need not be 1
+                self._checked |= applied  # the policy has moved: later ratios need not be 1
         out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
         out["optimizer_steps"] = steps_applied
         return out
@@ -199,16 +185,3 @@ class FlowGRPOTrainer(Trainer):
         emb = embeds.select(rows.to(embeds.cond[next(iter(embeds.cond))].device))
         self.idle_forward(traj.latents[rows, step].to(self.device), traj.timesteps[step].to(self.device), emb, g,
                           reference=self.algo.beta > 0)
-
-    def _self_check(self, new_logp: torch.Tensor, old_logp: torch.Tensor, steps: torch.Tensor) -> None:
-        """Before the first update the policy *is* the sampling policy: the ratio must be 1."""
-        if not self.cfg.train.self_check:
-            return
-        diff = (new_logp.float() - old_logp.float()).abs()
-        worst = float(diff.max())
-        if not math.isfinite(worst) or worst > self.cfg.train.self_check_tolerance:
-            raise SelfCheckError(
-                f"on-policy self-check failed: |log ratio| = {worst:.3g} before any update (tolerance "
-                f"{self.cfg.train.self_check_tolerance:g}) at steps {sorted(set(steps.tolist()))}; the training forward does not "
-                "reproduce the sampler (check the adapter's predict, CFG batching and dtype), or raise train.self_check_tolerance"
-            )

@@ -41,9 +41,9 @@ import torch
 import reward_models
 from diffalign.algorithms.spo import spo_loss
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
-from diffalign.errors import ConfigError, NonFiniteError, RewardError
+from diffalign.errors import ConfigError, RewardError
 from diffalign.stepwise_resample import StepPairs, sample_stepwise
-from diffalign.trainer import SelfCheckError, Trainer
+from diffalign.trainer import Trainer
 
 
 @register_algorithm_config("spo")
@@ -280,50 +280,29 @@ class SPOTrainer(Trainer):
                     embeds = self.adapter.encode_prompts(batch_prompts, with_uncond=g > 1)
                     logp_w, logp_l = self._log_probs(batch, embeds)
                     if not self._checked:
-                        self._self_check(torch.cat([logp_w, logp_l]).detach(),
-                                         torch.cat([batch.log_prob_win, batch.log_prob_lose]).to(logp_w.device), batch.step)
+                        self.check_log_ratio(torch.cat([logp_w, logp_l]).detach(),
+                                             torch.cat([batch.log_prob_win, batch.log_prob_lose]).to(logp_w.device),
+                                             f"at steps {sorted(set(batch.step.tolist()))}", "step-wise sampler")
                     with torch.no_grad(), self.reference_model():
                         ref_w, ref_l = self._log_probs(batch, embeds)
                     res = spo_loss(logp_w, ref_w, logp_l, ref_l, beta=algo.beta, clip_range=algo.clip_range)
                     loss = res.per_pair.sum() / float(global_terms)
-                    if not torch.isfinite(loss):
-                        self.stats["nonfinite_losses"] += 1
+                    if not self.accumulate(loss):
                         bad = True
                         continue
-                    self.backward(loss)
                     stats["loss"].append(float(res.loss.detach()))
                     stats["ratio_win"].append(float(res.ratio_win.mean()))
                     stats["ratio_lose"].append(float(res.ratio_lose.mean()))
                     stats["clip_frac"].append(float(res.clip_frac))
                     stats["implicit_acc"].append(float(res.accuracy))
-                if world > 1:
-                    bad = bool(self.accelerator.reduce(torch.tensor(float(bad), device=self.device), reduction="sum") > 0)
-                if bad:
-                    self.discard_gradients()
-                    self.stats["skipped_steps"] += 1
-                    self._consecutive_bad_steps += 1
-                    if self._consecutive_bad_steps > cfg.train.max_nonfinite_losses:
-                        raise NonFiniteError(f"{self._consecutive_bad_steps} consecutive optimizer steps had non-finite losses; stopping")
-                    continue
-                norm, applied = self.optimizer_step()
-                stats["grad_norm"].append(norm)
+                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
+                if applied:
+                    stats["grad_norm"].append(norm)
                 steps_applied += int(applied)
-                self._checked = True
+                self._checked |= applied
         out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
         out["optimizer_steps"] = steps_applied
         return out
-
-    def _self_check(self, new_logp: torch.Tensor, old_logp: torch.Tensor, steps: torch.Tensor) -> None:
-        """Before the first update the training forward must reproduce the sampler's log-probabilities."""
-        if not self.cfg.train.self_check:
-            return
-        worst = float((new_logp.float() - old_logp.float()).abs().max())
-        if not math.isfinite(worst) or worst > self.cfg.train.self_check_tolerance:
-            raise SelfCheckError(
-                f"on-policy self-check failed: |log ratio| = {worst:.3g} before any update (tolerance "
-                f"{self.cfg.train.self_check_tolerance:g}) at steps {sorted(set(steps.tolist()))}; the training forward does not "
-                "reproduce the step-wise sampler (check the adapter's predict, CFG batching and dtype)"
-            )
 
     # ---- state ------------------------------------------------------------------------------
     def extra_state(self) -> dict:
