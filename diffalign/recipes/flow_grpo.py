@@ -12,6 +12,7 @@ processes. Two processes therefore compute the same update as one process over t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,6 +21,44 @@ from diffalign.algorithms.flow_grpo import gaussian_mean_kl, group_advantages, p
 from diffalign.config import FlowGRPOConfig
 from diffalign.sampling import Trajectory, sample_linear, sde_window_mask
 from diffalign.trainer import Trainer
+
+
+@dataclass
+class GroupRollout:
+    """What one iteration of group rollouts samples, drawn globally and sliced for this process."""
+
+    prompts: list[str]  # this process's prompts (one per group)
+    sample_prompts: list[str]  # one per sample: each prompt repeated group_size times
+    n_local: int
+    n_global: int
+    first: int  # global id of this process's first sample
+    sde_mask: torch.Tensor  # (num_steps,) bool: which steps are SDE steps this iteration
+    noise: torch.Tensor  # (n_local, *latent) initial noise
+    step_noise: torch.Tensor  # (n_local, num_steps, *latent) per-step SDE noise
+    embeds: object  # prompt embeddings, one row per sample (with the unconditional half under CFG)
+    schedule: torch.Tensor
+
+
+def plan_group_rollout(trainer: Trainer, iteration: int) -> GroupRollout:
+    """Draw an iteration's prompts, SDE window and all of its noise from the trainer's shared
+    generator: every process draws the same global tensors and keeps its own slice, so that N
+    processes sample exactly what one process would (see the module docstring)."""
+    cfg, s = trainer.cfg, trainer.cfg.sampling
+    world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
+    per_proc, group = cfg.rollout.prompts_per_iteration, cfg.rollout.group_size
+    all_prompts = trainer.prompt_sampler.next(per_proc * world)  # identical on every process
+    prompts = all_prompts[rank * per_proc : (rank + 1) * per_proc]
+    sample_prompts = [p for p in prompts for _ in range(group)]
+    n_local, n_global = len(sample_prompts), len(all_prompts) * group
+    local = slice(rank * n_local, (rank + 1) * n_local)
+    sde_mask = sde_window_mask(s.num_steps, s.window_size, mode=s.window_mode, start=s.window_start, iteration=iteration,
+                               slide_every=s.window_slide_every, stride=s.window_stride, generator=trainer.generator)
+    latent = trainer.adapter.latent_shape(trainer.resolution, trainer.resolution)
+    noise = torch.randn((n_global, *latent), generator=trainer.generator)[local]
+    step_noise = torch.randn((n_global, s.num_steps, *latent), generator=trainer.generator)[local]
+    embeds = trainer.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
+    schedule = trainer.adapter.make_schedule(s.num_steps, trainer.resolution, trainer.resolution)
+    return GroupRollout(prompts, sample_prompts, n_local, n_global, rank * n_local, sde_mask, noise, step_noise, embeds, schedule)
 
 
 class FlowGRPOTrainer(Trainer):
@@ -36,34 +75,19 @@ class FlowGRPOTrainer(Trainer):
         """Sample this process's share of the iteration's groups and score them.
 
         Returns (trajectory, embeds, prompts, global sample indices, rewards, reward info)."""
-        cfg, s = self.cfg, self.cfg.sampling
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        per_proc = cfg.rollout.prompts_per_iteration
-        group = cfg.rollout.group_size
-        all_prompts = self.prompt_sampler.next(per_proc * world)  # identical on every process
-        prompts = all_prompts[rank * per_proc : (rank + 1) * per_proc]
-        sample_prompts = [p for p in prompts for _ in range(group)]
-        n_local, n_global = len(sample_prompts), len(all_prompts) * group
-        local = slice(rank * n_local, (rank + 1) * n_local)
-        sde_mask = sde_window_mask(s.num_steps, s.window_size, mode=s.window_mode, start=s.window_start, iteration=iteration,
-                                   slide_every=s.window_slide_every, stride=s.window_stride, generator=self.generator)
-        latent = self.adapter.latent_shape(self.resolution, self.resolution)
-        # All noise of the iteration, drawn globally from the shared generator (see module docstring).
-        noise = torch.randn((n_global, *latent), generator=self.generator)[local]
-        step_noise = torch.randn((n_global, s.num_steps, *latent), generator=self.generator)[local]
-        embeds = self.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
-        schedule = self.adapter.make_schedule(s.num_steps, self.resolution, self.resolution)
+        s = self.cfg.sampling
+        plan = plan_group_rollout(self, iteration)
         self.adapter.denoiser.eval()
         trajs, futures = [], []
-        bs = cfg.rollout.sample_batch_size
-        for start in range(0, n_local, bs):
+        bs = self.cfg.rollout.sample_batch_size
+        for start in range(0, plan.n_local, bs):
             idx = slice(start, start + bs)
             with self.autocast():
-                traj = sample_linear(self.adapter, self.kernel, embeds.select(idx), schedule, sde_mask,
+                traj = sample_linear(self.adapter, self.kernel, plan.embeds.select(idx), plan.schedule, plan.sde_mask,
                                      guidance_scale=s.guidance_scale, height=self.resolution, width=self.resolution,
-                                     noise=noise[idx], step_noise=step_noise[idx])
+                                     noise=plan.noise[idx], step_noise=plan.step_noise[idx])
             trajs.append(traj)
-            futures.append(self.score_async(traj.images, sample_prompts[idx]))  # overlaps the next chunk
+            futures.append(self.score_async(traj.images, plan.sample_prompts[idx]))  # overlaps the next chunk
         results = [f.result() for f in futures]
         rewards = torch.cat([r for r, _ in results])
         info: dict = {}
@@ -71,7 +95,8 @@ class FlowGRPOTrainer(Trainer):
             for k, v in i.items():
                 info.setdefault(k, []).append(v)
         info = {f"reward/{k}" if not k.startswith("reward/") else k: float(np.mean(v)) for k, v in info.items()}
-        return Trajectory.cat(trajs), embeds, torch.arange(n_global)[local], n_global, rewards, info
+        sample_ids = torch.arange(plan.first, plan.first + plan.n_local)
+        return Trajectory.cat(trajs), plan.embeds, sample_ids, plan.n_global, rewards, info
 
     # ---- one iteration ----------------------------------------------------------------------
     def iteration(self, iteration: int) -> dict:

@@ -25,6 +25,7 @@ import torch
 from diffalign.algorithms.stepwise import stepwise_advantages, stepwise_gains
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
 from diffalign.recipes._transitions import TransitionTrainer, Transitions
+from diffalign.recipes.flow_grpo import plan_group_rollout
 from diffalign.sampling import Kernel, sde_window_mask
 from diffalign.tweedie import MAX_SUBSTEPS, DenseTrajectory, check_flow, decode_estimates, sample_linear_dense
 
@@ -90,37 +91,25 @@ class StepwiseFlowGRPOTrainer(TransitionTrainer):
 
         Returns (trajectory, embeds, global id of the first local sample, n_global, rewards
         (n_local, T+1))."""
-        cfg, s = self.cfg, self.cfg.sampling
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        per_proc, group = cfg.rollout.prompts_per_iteration, cfg.rollout.group_size
-        all_prompts = self.prompt_sampler.next(per_proc * world)  # identical on every process
-        prompts = all_prompts[rank * per_proc : (rank + 1) * per_proc]
-        sample_prompts = [p for p in prompts for _ in range(group)]
-        n_local, n_global = len(sample_prompts), len(all_prompts) * group
-        local = slice(rank * n_local, (rank + 1) * n_local)
-        sde_mask = sde_window_mask(s.num_steps, s.window_size, mode=s.window_mode, start=s.window_start, iteration=iteration,
-                                   slide_every=s.window_slide_every, stride=s.window_stride, generator=self.generator)
-        latent = self.adapter.latent_shape(self.resolution, self.resolution)
-        noise = torch.randn((n_global, *latent), generator=self.generator)[local]
-        step_noise = torch.randn((n_global, s.num_steps, *latent), generator=self.generator)[local]
-        embeds = self.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
-        schedule = self.adapter.make_schedule(s.num_steps, self.resolution, self.resolution)
+        s = self.cfg.sampling
+        plan = plan_group_rollout(self, iteration)
         self.adapter.denoiser.eval()
         trajs, futures = [], []
-        bs = cfg.rollout.sample_batch_size
-        for start in range(0, n_local, bs):
+        bs = self.cfg.rollout.sample_batch_size
+        for start in range(0, plan.n_local, bs):
             idx = slice(start, start + bs)
             with self.autocast():
-                traj = sample_linear_dense(self.adapter, self.kernel, embeds.select(idx), schedule, sde_mask,
+                traj = sample_linear_dense(self.adapter, self.kernel, plan.embeds.select(idx), plan.schedule, plan.sde_mask,
                                            guidance_scale=s.guidance_scale, height=self.resolution, width=self.resolution,
-                                           substeps=self.algo.tweedie_substeps, noise=noise[idx], step_noise=step_noise[idx])
+                                           substeps=self.algo.tweedie_substeps, noise=plan.noise[idx],
+                                           step_noise=plan.step_noise[idx])
             images = decode_estimates(self.adapter, traj.x0_estimates, bs)  # (b (T+1), 3, H, W)
             traj.x0_estimates = traj.x0_estimates[:, :0]  # scored; free the memory
-            repeated = [p for p in sample_prompts[idx] for _ in range(s.num_steps + 1)]
+            repeated = [p for p in plan.sample_prompts[idx] for _ in range(s.num_steps + 1)]
             futures.append(self.score_async(images, repeated))  # one call for all T+1 estimates of the chunk
             trajs.append(traj)
-        rewards = torch.cat([f.result()[0] for f in futures]).view(n_local, s.num_steps + 1)
-        return DenseTrajectory.cat(trajs), embeds, rank * n_local, n_global, rewards
+        rewards = torch.cat([f.result()[0] for f in futures]).view(plan.n_local, s.num_steps + 1)
+        return DenseTrajectory.cat(trajs), plan.embeds, plan.first, plan.n_global, rewards
 
     # ---- one iteration ----------------------------------------------------------------------
     def iteration(self, iteration: int) -> dict:
