@@ -186,6 +186,16 @@ def save_png(array: np.ndarray, path: Path, scale: int = 1) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def reward_info(results: Sequence[tuple[torch.Tensor, dict]]) -> dict[str, float]:
+    """Mean over batches of the reward's per-batch info (e.g. ShapesEval's per-family accuracy),
+    keys prefixed ``reward/``. ``results`` are (rewards, info) pairs as the reward returns them."""
+    info: dict[str, list[float]] = {}
+    for _, batch_info in results:
+        for k, v in batch_info.items():
+            info.setdefault(k, []).append(float(v))
+    return {(k if k.startswith("reward/") else f"reward/{k}"): float(np.mean(v)) for k, v in info.items()}
+
+
 class Trainer:
     """Base trainer; subclasses implement :meth:`iteration`. See the module docstring."""
 
@@ -483,6 +493,32 @@ class Trainer:
             self.discard_gradients()
             return self._bad_step(float("nan"), "losses")
         return self.optimizer_step()
+
+    def mean_stats(self, stats: dict[str, list[float]]) -> dict[str, float]:
+        """Per-key means of an update's micro-batch statistics over every process (NaN for a key
+        that no process recorded), so that a multi-process run logs what one process would.
+        A collective: every process calls it with the same keys in the same order."""
+        keys = list(stats)
+        sums = torch.tensor([float(np.sum(stats[k])) for k in keys], dtype=torch.float64)
+        counts = torch.tensor([float(len(stats[k])) for k in keys], dtype=torch.float64)
+        if self.accelerator.num_processes > 1:
+            both = self.accelerator.reduce(torch.cat([sums, counts]).to(self.device), reduction="sum").cpu()
+            sums, counts = both[: len(keys)], both[len(keys) :]
+        return {k: float(v / n) if n > 0 else float("nan") for k, v, n in zip(keys, sums.tolist(), counts.tolist())}
+
+    def gather_info(self, info: dict[str, float]) -> dict[str, float]:
+        """Per-key mean over processes of a process-local info dict (a key that some processes lack,
+        say a prompt family that only one of them sampled, is averaged over those that have it).
+        A collective: every process calls it."""
+        if self.accelerator.num_processes == 1:
+            return dict(info)
+        from accelerate.utils import gather_object
+
+        merged: dict[str, list[float]] = {}
+        for part in gather_object([dict(info)]):
+            for k, v in part.items():
+                merged.setdefault(k, []).append(float(v))
+        return {k: float(np.mean(v)) for k, v in merged.items()}
 
     def check_log_ratio(self, new_logp: torch.Tensor, old_logp: torch.Tensor, where: str, sampler: str = "sampler") -> None:
         """The on-policy self-check: before the first update the training forward *is* the

@@ -136,7 +136,7 @@ class TransitionTrainer(Trainer):
                     stats["grad_norm"].append(norm)
                 steps_applied += int(applied)
                 self._checked |= applied  # the policy has moved: later ratios need not be 1
-        out = {key: float(np.mean(v)) if v else float("nan") for key, v in stats.items()}
+        out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied
         out["trained_terms"] = int(tr.keep.sum())
         return out

@@ -41,7 +41,7 @@ from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
 from diffalign.errors import ConfigError
 from diffalign.sampling import build_kernel, sde_window_mask
-from diffalign.trainer import Trainer
+from diffalign.trainer import Trainer, reward_info
 from diffalign.tree_rollout import TreeTrajectory, draw_tree, measure_forward_memory, sample_tree
 
 MIB = 1024 * 1024
@@ -218,11 +218,7 @@ class BranchGRPOTrainer(Trainer):
         futures = [self.score_async(images[i : i + bs], leaf_prompts[i : i + bs]) for i in range(0, len(images), bs)]
         results = [f.result() for f in futures]
         rewards = torch.cat([r for r, _ in results]).view(len(prompts), tree.num_leaves)
-        info: dict = {}
-        for _, i in results:
-            for k, v in i.items():
-                info.setdefault(k, []).append(v)
-        info = {f"reward/{k}" if not k.startswith("reward/") else k: float(np.mean(v)) for k, v in info.items()}
+        info = self.gather_info(reward_info(results))  # per-batch means, then over processes
         return traj, embeds, prompts, rank * per_proc, n_global, rewards, info
 
     # ---- one iteration ----------------------------------------------------------------------
@@ -350,7 +346,7 @@ class BranchGRPOTrainer(Trainer):
                     stats["grad_norm"].append(norm)
                 steps_applied += int(applied)
                 self._checked |= applied  # the policy has moved: later ratios need not be 1
-        out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
+        out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied
         out["nfe_train"] = int(self._reduce_sum([train_nfe])[0])
         return out

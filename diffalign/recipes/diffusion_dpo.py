@@ -15,8 +15,8 @@ An iteration is ``train.optimizer_steps_per_iteration`` optimizer steps of
 :mod:`diffalign.algorithms.dpo`; the noising in :mod:`diffalign.forward_process`.
 
 Multi-process runs draw the global batch of pair indices, noise and noise levels from the shared
-generator and take their slice, with losses normalised by the global pair count (as Flow-GRPO);
-only the single-process path has been run.
+generator and take their slice, with losses normalised by the global pair count (as Flow-GRPO):
+two gloo processes give the same update as one (``tests/test_distributed.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -156,7 +155,7 @@ class DiffusionDPOTrainer(Trainer):
             if applied:
                 stats["grad_norm"].append(norm)
             steps_applied += int(applied)
-        out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
+        out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied
         out["pairs_seen"] = steps_applied * algo.accumulation_steps * bs * world
         return out

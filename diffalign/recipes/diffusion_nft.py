@@ -38,7 +38,7 @@ from diffalign.algorithms.flow_grpo import group_advantages
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
 from diffalign.errors import ConfigError
 from diffalign.seeded import SEED_HIGH, sample_seeded, seed_noise
-from diffalign.trainer import SelfCheckError, Trainer
+from diffalign.trainer import SelfCheckError, Trainer, reward_info
 
 OLD_ADAPTER = "old"  # name of the old / sampling policy's LoRA adapter (as in the reference)
 DEFAULT_ADAPTER = "default"  # the trained adapter (peft's default name, the one the trainer optimises)
@@ -98,15 +98,6 @@ class SeededSamples:
     info: dict
 
 
-def average_info(results: list[tuple[torch.Tensor, dict]]) -> dict:
-    """Mean of the per-batch reward infos, keys prefixed ``reward/`` (as Flow-GRPO logs them)."""
-    info: dict = {}
-    for _, i in results:
-        for k, v in i.items():
-            info.setdefault(k, []).append(v)
-    return {f"reward/{k}" if not k.startswith("reward/") else k: float(np.mean(v)) for k, v in info.items()}
-
-
 def draw_prompts_and_seeds(trainer: Trainer, per_prompt: int) -> tuple[list[str], torch.Tensor, slice]:
     """Global prompts and seeds (identical on every process) and this process's slice of prompts.
 
@@ -141,7 +132,7 @@ def sample_and_score(trainer: Trainer, embeds: PromptEmbeds, seeds: torch.Tensor
         futures.append(trainer.score_async(traj.images, prompts[rows]))
     results = [f.result() for f in futures]
     rewards = torch.cat([r for r, _ in results]) if results else torch.empty(0)
-    return torch.cat(x0), torch.cat(images), rewards, average_info(results)
+    return torch.cat(x0), torch.cat(images), rewards, reward_info(results)
 
 
 class DiffusionNFTTrainer(Trainer):
@@ -231,6 +222,7 @@ class DiffusionNFTTrainer(Trainer):
         with self.sampling_policy():
             x0, images, rewards, info = sample_and_score(self, embeds, local_seeds, sample_prompts, num_steps=s.num_steps,
                                                          guidance_scale=s.guidance_scale, batch_size=cfg.rollout.sample_batch_size)
+        info = self.gather_info(info)
         info["time/rollout"] = time.perf_counter() - t0
         return SeededSamples(x0, images, embeds, sample_prompts, local_seeds, torch.arange(first, first + n_local), n_global, rewards, info)
 
@@ -331,7 +323,7 @@ class DiffusionNFTTrainer(Trainer):
                 steps_applied += int(applied)
                 self.optimizer_steps_done += int(applied)
                 self._checked |= applied  # the trained adapter has moved away from the old one
-        out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
+        out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied
         return out
 

@@ -20,7 +20,7 @@ import torch
 from diffalign.algorithms.flow_grpo import gaussian_mean_kl, group_advantages, ppo_clip_loss
 from diffalign.config import FlowGRPOConfig
 from diffalign.sampling import Trajectory, sample_linear, sde_window_mask
-from diffalign.trainer import Trainer
+from diffalign.trainer import Trainer, reward_info
 
 
 @dataclass
@@ -90,11 +90,7 @@ class FlowGRPOTrainer(Trainer):
             futures.append(self.score_async(traj.images, plan.sample_prompts[idx]))  # overlaps the next chunk
         results = [f.result() for f in futures]
         rewards = torch.cat([r for r, _ in results])
-        info: dict = {}
-        for _, i in results:  # average per-batch reward info (e.g. per-family accuracy)
-            for k, v in i.items():
-                info.setdefault(k, []).append(v)
-        info = {f"reward/{k}" if not k.startswith("reward/") else k: float(np.mean(v)) for k, v in info.items()}
+        info = self.gather_info(reward_info(results))  # per-batch means, then over processes
         sample_ids = torch.arange(plan.first, plan.first + plan.n_local)
         return Trajectory.cat(trajs), plan.embeds, sample_ids, plan.n_global, rewards, info
 
@@ -199,7 +195,7 @@ class FlowGRPOTrainer(Trainer):
                     stats["grad_norm"].append(norm)
                 steps_applied += int(applied)
                 self._checked |= applied  # the policy has moved: later ratios need not be 1
-        out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
+        out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied
         return out
 

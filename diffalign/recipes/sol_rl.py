@@ -40,12 +40,12 @@ from diffalign.config import AlgorithmConfig, FlowGRPOConfig, _check, register_a
 from diffalign.errors import ConfigError
 from diffalign.quantize import LowPrecisionCopy, QuantConfig, resolve_format, velocity_error
 from diffalign.recipes.diffusion_nft import (
-    DEFAULT_ADAPTER, DiffusionNFTConfig, DiffusionNFTTrainer, SeededSamples, average_info, draw_prompts_and_seeds, sample_and_score,
+    DEFAULT_ADAPTER, DiffusionNFTConfig, DiffusionNFTTrainer, SeededSamples, draw_prompts_and_seeds, sample_and_score,
 )
 from diffalign.recipes.flow_grpo import FlowGRPOTrainer
 from diffalign.sampling import Trajectory, sde_window_mask
 from diffalign.seeded import sample_seeded, seed_noise
-from diffalign.trainer import Trainer
+from diffalign.trainer import Trainer, reward_info
 
 FIDELITY_SAMPLES = 4  # pool samples on which quant/velocity_rel_err is measured each iteration
 
@@ -254,6 +254,7 @@ class SolRLTrainer(TwoStageRollout, DiffusionNFTTrainer):
         with self.sampling_policy():
             x0, images, rewards, info = sample_and_score(self, embeds, one.selected_seeds, sample_prompts, num_steps=s.num_steps,
                                                          guidance_scale=s.guidance_scale, batch_size=cfg.rollout.sample_batch_size)
+        info = self.gather_info(info)
         info["time/stage2"] = time.perf_counter() - t0
         info.update(one.info)
         info.update(self.rank_metrics(one, rewards))
@@ -322,7 +323,7 @@ class SolRLGRPOTrainer(TwoStageRollout, FlowGRPOTrainer):
             futures.append(self.score_async(traj.images, sample_prompts[rows]))
         results = [f.result() for f in futures]
         rewards = torch.cat([r for r, _ in results]) if results else torch.empty(0)
-        info = average_info(results)
+        info = self.gather_info(reward_info(results))
         info["time/stage2"] = time.perf_counter() - t0
         info.update(one.info)
         info.update(self.rank_metrics(one, rewards))

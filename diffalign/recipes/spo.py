@@ -25,8 +25,9 @@ Choices (documented because the reference differs or is silent):
 Multi-process runs: rollouts are split across processes (each sample has its own noise
 generator seeded from one shared draw), kept pairs are gathered, shuffled with the shared
 generator and split evenly (the remainder is dropped, as in the reference), and losses are
-normalised by the global pair count of each optimizer step. Single-process runs are tested;
-the multi-process path has not been run.
+normalised by the global pair count of each optimizer step; the update's shuffle is a global
+draw, so the shared generator advances alike for any number of processes. Two gloo processes
+give the same update as one (``tests/test_distributed.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
 
 import reward_models
@@ -43,7 +43,7 @@ from diffalign.algorithms.spo import spo_loss
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
 from diffalign.errors import ConfigError, RewardError
 from diffalign.stepwise_resample import StepPairs, sample_stepwise
-from diffalign.trainer import Trainer
+from diffalign.trainer import Trainer, reward_info
 
 
 @register_algorithm_config("spo")
@@ -188,12 +188,10 @@ class SPOTrainer(Trainer):
             futures.append(self.score_async(out.images, sample_prompts[idx]))
         results = [f.result() for f in futures]
         rewards = self.check_rewards(torch.cat([r for r, _ in results]), iteration)
-        info: dict = {}
-        for _, i in results:
-            for k, v in i.items():
-                info.setdefault(k, []).append(v)
-        info = {f"reward/{k}" if not k.startswith("reward/") else k: float(np.mean(v)) for k, v in info.items()}
-        all_scores, all_keep = torch.cat(scores), torch.cat(keeps)
+        info = self.gather_info(reward_info(results))  # per-batch means, then over processes
+        # every process judges the same number of states: gather them for run-wide statistics
+        all_scores = self.accelerator.gather(torch.cat(scores).to(self.device)).cpu()
+        all_keep = self.accelerator.gather(torch.cat(keeps).to(self.device)).cpu()
         stats = {"spm_score_mean": float(all_scores.mean()), "spm_score_std": float(all_scores.std(unbiased=False)),
                  "kept_frac": float(all_keep.float().mean()) if len(all_keep) else 0.0, "nfe_per_trajectory": nfe}
         return StepPairs.cat(pairs), prompt_of_pair, rewards, info, stats
@@ -232,9 +230,10 @@ class SPOTrainer(Trainer):
             "reward_mean": float(all_rewards[finite].mean()) if finite.any() else float("nan"),
             "reward_std": float(all_rewards[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0,
             "pairs": n_used, "pairs_local_kept": kept_local,
-            "margin_mean": float(pairs.margin.mean()) if len(pairs) else float("nan"),
             **stats, **info,
         }
+        # every process holds an equal share of the pairs: the mean of the shares' means
+        record.update(self.gather_info({"margin_mean": float(pairs.margin.mean()) if len(pairs) else float("nan")}))
         record.update(self.update(pairs, prompts, n_used))
         return record
 
@@ -268,7 +267,11 @@ class SPOTrainer(Trainer):
         g = cfg.sampling.guidance_scale
         bs = cfg.train.batch_size
         for _epoch in range(cfg.train.inner_epochs):
-            order = torch.randperm(len(pairs), generator=self.generator)  # same length on every process
+            # A global draw, then this process's rows: the generator advances alike for any number of
+            # processes (every process holds len(pairs) = n_global / world pairs, see _share_pairs).
+            perm = torch.randperm(n_global, generator=self.generator)
+            first = self.accelerator.process_index * len(pairs)
+            order = perm[(perm >= first) & (perm < first + len(pairs))] - first
             batches = [order[s : s + bs] for s in range(0, len(order), bs)]
             groups = [batches[s : s + algo.accumulation_steps] for s in range(0, len(batches), algo.accumulation_steps)]
             for group in groups:
@@ -300,7 +303,7 @@ class SPOTrainer(Trainer):
                     stats["grad_norm"].append(norm)
                 steps_applied += int(applied)
                 self._checked |= applied
-        out = {k: float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
+        out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied
         return out
 
