@@ -59,6 +59,7 @@ class DiffusionDPOConfig(AlgorithmConfig):
 
 
 class DiffusionDPOTrainer(Trainer):
+    supports_fsdp = True  # every process runs the same micro-batches (a slice of one global draw)
     needs_reference = True
 
     def __init__(self, cfg, **kwargs):
@@ -96,7 +97,9 @@ class DiffusionDPOTrainer(Trainer):
         folder = self.run_dir / GENERATED_PAIRS_DIR
         if self.resume and (folder / "pairs.jsonl").is_file():
             return read_pairs(folder)
-        if self.accelerator.is_main_process:
+        # Under FSDP the sampling forwards are collectives: every process samples the same pairs
+        # (same seed), the main one writes them.
+        if self.accelerator.is_main_process or self.sharded:
             self.adapter.denoiser.eval()
             with self.autocast():
                 pairs, stats = generate_pairs(
@@ -105,10 +108,11 @@ class DiffusionDPOTrainer(Trainer):
                     resolution=self.resolution, seed=self.algo.generate_seed, batch_size=self.cfg.eval.batch_size,
                     keep_ties=False, reward_name=self.cfg.reward.name,
                 )
-            write_pairs(pairs, folder)
+            if self.accelerator.is_main_process:
+                write_pairs(pairs, folder)
             self.generation = stats
         self.accelerator.wait_for_everyone()
-        return read_pairs(folder) if not self.accelerator.is_main_process else pairs
+        return pairs if self.accelerator.is_main_process or self.sharded else read_pairs(folder)
 
     # ---- training ---------------------------------------------------------------------------
     def iteration(self, iteration: int) -> dict:

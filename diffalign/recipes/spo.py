@@ -118,6 +118,7 @@ def build_step_aware_scorer(name: str, kwargs: dict, device: str):
 
 
 class SPOTrainer(Trainer):
+    supports_fsdp = True  # equal rollouts and equal pair shares: every process runs the same forwards
     needs_reference = True  # the loss is a ratio against the frozen initial model
 
     def __init__(self, cfg, **kwargs):
