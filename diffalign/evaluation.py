@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -22,18 +22,26 @@ def evaluate_adapter(
     seed: int = 1234,
     samples_per_prompt: int = 1,
     batch_size: int = 32,
+    extra_rewards: Mapping[str, tuple[str, dict]] | None = None,
 ) -> dict[str, float]:
     """Sample every prompt ``samples_per_prompt`` times with a fixed seed and score it.
 
     Returns ``{"reward_mean": ..., **reward.last_info}`` (for ShapesEval: ``acc/<family>``
-    and ``acc/overall``)."""
+    and ``acc/overall``), plus ``{label: mean}`` for every ``label: (reward, kwargs)`` of
+    ``extra_rewards``, scored on the same images (e.g. ShapesEval with partial credit)."""
     fn = reward_models.build(reward, device=str(adapter.device), **(reward_kwargs or {}))
+    extra = {label: (name, reward_models.build(name, device=str(adapter.device), **(kw or {})))
+             for label, (name, kw) in (extra_rewards or {}).items()}
     all_prompts = [p for p in prompts for _ in range(samples_per_prompt)]
     images = sample_images(adapter, all_prompts, num_steps=num_steps, guidance_scale=guidance_scale,
                            resolution=resolution or adapter.default_resolution, seed=seed, batch_size=batch_size)
-    scores = reward_models.check_reward_output(reward, fn(images, all_prompts, [{} for _ in all_prompts]), len(all_prompts))
+    metadata = [{} for _ in all_prompts]
+    scores = reward_models.check_reward_output(reward, fn(images, all_prompts, metadata), len(all_prompts))
     out = {"reward_mean": float(scores[torch.isfinite(scores)].mean())}
     out.update({k: float(v) for k, v in (getattr(fn, "last_info", None) or {}).items()})
+    for label, (name, extra_fn) in extra.items():
+        s = reward_models.check_reward_output(name, extra_fn(images, all_prompts, metadata), len(all_prompts))
+        out[label] = float(s[torch.isfinite(s)].mean())
     return out
 
 

@@ -26,3 +26,18 @@ def test_overhead_benchmark_smallest_run(repo_root, capsys):
     assert len(result.toolkit.wall) == len(result.raw.wall) == 1
     out = capsys.readouterr().out
     assert "ratio toolkit/raw" in out and "denoiser forwards" in out
+
+
+def test_spo_vs_dpo_benchmark_smoke(repo_root, tmp_path):
+    """benchmarks/spo_vs_dpo.py --smoke: SPM training, pair generation, the three methods
+    interleaved, three held-out metrics per mark, results.json and the plot."""
+    spec = importlib.util.spec_from_file_location("benchmarks_spo_vs_dpo", repo_root / "benchmarks" / "spo_vs_dpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(["--smoke", "--minutes", "0.01", "--marks", "1", "--out", str(tmp_path)])
+    assert set(results["methods"]) == {"spo", "diffusion_dpo", "flow_grpo"}
+    for st in results["methods"].values():
+        assert st["iterations"] >= 1 and len(st["curve"]) == 2  # base + one mark
+        assert set(st["curve"][-1][1]) == {"acc", "per_image", "partial"}
+    assert set(results["base"]) == {"acc", "per_image", "partial"}
+    assert (tmp_path / "results.json").is_file() and (tmp_path / "accuracy_vs_wallclock.png").is_file()
