@@ -90,7 +90,9 @@ class DiffusionDPOTrainer(Trainer):
             state = getattr(self, "_pending_sampler_state", None)
             if state is not None:
                 self.pair_sampler.load_state_dict(state)
-        self.log(f"  diffusion-dpo: {len(strict)} pairs with a winner ({len(pairs) - len(strict)} ties dropped)"
+        # ties: those in the pair file, plus those the generation already left out
+        ties = len(pairs) - len(strict) + int((self.generation or {}).get("ties", 0))
+        self.log(f"  diffusion-dpo: {len(strict)} pairs with a winner ({ties} ties dropped)"
                  + (f"; generated {self.generation}" if self.generation else ""))
 
     def _generated_pairs(self) -> PairSet:
