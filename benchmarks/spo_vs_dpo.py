@@ -19,9 +19,10 @@ excluded). At ``--marks`` evenly spaced points of its budget each method is eval
 held-out prompts (fixed seeds, deterministic sampler) with three numbers from the same images:
 ShapesEval accuracy as GenEval reports it (mean over prompt families, the headline), the
 per-image pass rate, and the partial-credit score (the fraction of a prompt's requirements met,
-the dense signal the methods train on); the base model is evaluated once. Printed: a table of accuracy at each mark, preparation and training
-time, iterations and optimizer steps; saved: ``results.json`` and ``accuracy_vs_wallclock.png``
-(accuracy against training time, and against training + preparation time).
+the dense signal the methods train on); the base model is evaluated once. Printed: a table of
+accuracy at each mark, preparation and training time, iterations and optimizer steps; saved:
+``results.json`` and ``accuracy_vs_wallclock.png`` (accuracy against training time and against
+training + preparation time, partial credit against training time).
 
     python benchmarks/spo_vs_dpo.py [--minutes 20] [--marks 4] [--model shapes] [--spm runs/spm_shapes]
     python benchmarks/spo_vs_dpo.py --smoke          # seconds-long run on tiny:shapes (checks the script)

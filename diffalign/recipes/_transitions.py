@@ -112,7 +112,8 @@ class TransitionTrainer(Trainer):
                     keep = tr.keep[rows].flatten().to(dev)
                     old = tr.old_log_probs[rows].flatten().to(dev)
                     if not self._checked:
-                        self.check_log_ratio(step.log_prob.detach()[keep], old[keep], f"at times {sorted(set(round(v, 4) for v in t.tolist()))}")
+                        times = sorted(set(round(v, 4) for v in t.tolist()))
+                        self.check_log_ratio(step.log_prob.detach()[keep], old[keep], f"at times {times}")
                     kl = None
                     if algo.beta > 0:
                         with torch.no_grad(), self.reference_model(), self.autocast():

@@ -324,8 +324,8 @@ class BranchGRPOTrainer(Trainer):
                     step = self.kernel.step(out, x, t, t_next, sde=True, prev_sample=x_next)
                     old_logp = traj.log_probs[trees_l, nodes].to(dev)
                     if not self._checked:
-                        self.check_log_ratio(step.log_prob.detach(), old_logp, f"on tree edges at steps {sorted(set((depth[nodes] - 1).tolist()))}",
-                                             "tree sampler")
+                        steps_seen = sorted(set((depth[nodes] - 1).tolist()))
+                        self.check_log_ratio(step.log_prob.detach(), old_logp, f"on tree edges at steps {steps_seen}", "tree sampler")
                     kl = None
                     if algo.beta > 0:
                         with torch.no_grad(), self.reference_model(), self.autocast():
