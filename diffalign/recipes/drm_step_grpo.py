@@ -30,7 +30,7 @@ from diffalign.drm.model import check_compatible
 from diffalign.drm.sampling import MAX_BRANCHES, branch_candidates
 from diffalign.errors import ConfigError
 from diffalign.recipes._transitions import TransitionTrainer, Transitions
-from diffalign.sampling import sde_window_mask
+from diffalign.recipes.flow_grpo import plan_group_rollout
 
 
 @register_algorithm_config("drm_step_grpo")
@@ -97,19 +97,11 @@ class StepGRPOTrainer(TransitionTrainer):
     def rollout(self, iteration: int) -> dict:
         cfg, s, algo = self.cfg, self.cfg.sampling, self.algo
         k = algo.num_candidates
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        per_proc, group = cfg.rollout.prompts_per_iteration, cfg.rollout.group_size
-        all_prompts = self.prompt_sampler.next(per_proc * world)
-        prompts = all_prompts[rank * per_proc : (rank + 1) * per_proc]
-        chain_prompts = [p for p in prompts for _ in range(group)]
-        n_local, n_global = len(chain_prompts), len(all_prompts) * group
-        local = slice(rank * n_local, (rank + 1) * n_local)
-        sde_mask = sde_window_mask(s.num_steps, s.window_size, mode=s.window_mode, start=s.window_start, iteration=iteration,
-                                   slide_every=s.window_slide_every, stride=s.window_stride, generator=self.generator)
+        plan = plan_group_rollout(self, iteration, with_step_noise=False)  # the step noise is drawn per step below
+        chain_prompts, n_local, n_global, embeds = plan.sample_prompts, plan.n_local, plan.n_global, plan.embeds
+        sde_mask, schedule, local = plan.sde_mask, plan.schedule, slice(plan.first, plan.first + plan.n_local)
         latent = self.adapter.latent_shape(self.resolution, self.resolution)
-        x = torch.randn((n_global, *latent), generator=self.generator)[local].to(self.device)
-        embeds = self.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
-        schedule = self.adapter.make_schedule(s.num_steps, self.resolution, self.resolution)
+        x = plan.noise.to(self.device)
         self.adapter.denoiser.eval()
         bs = cfg.rollout.sample_batch_size
         steps, states, nexts, olds, scores = [], [], [], [], []
@@ -146,7 +138,7 @@ class StepGRPOTrainer(TransitionTrainer):
                 scores.append(torch.cat(step_scores))
             x = new_x
         images = torch.cat([self.adapter.decode(x[c : c + bs]).float().clamp(0, 1).cpu() for c in range(0, n_local, bs)])
-        return {"prompts": chain_prompts, "embeds": embeds, "first": rank * n_local, "n_global": n_global, "schedule": schedule,
+        return {"prompts": chain_prompts, "embeds": embeds, "first": plan.first, "n_global": n_global, "schedule": schedule,
                 "steps": steps, "states": states, "nexts": nexts, "olds": olds, "scores": scores, "images": images}
 
     # ---- one iteration ----------------------------------------------------------------------

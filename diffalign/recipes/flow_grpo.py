@@ -34,15 +34,17 @@ class GroupRollout:
     first: int  # global id of this process's first sample
     sde_mask: torch.Tensor  # (num_steps,) bool: which steps are SDE steps this iteration
     noise: torch.Tensor  # (n_local, *latent) initial noise
-    step_noise: torch.Tensor  # (n_local, num_steps, *latent) per-step SDE noise
+    step_noise: torch.Tensor | None  # (n_local, num_steps, *latent) per-step SDE noise (None: not drawn)
     embeds: object  # prompt embeddings, one row per sample (with the unconditional half under CFG)
     schedule: torch.Tensor
 
 
-def plan_group_rollout(trainer: Trainer, iteration: int) -> GroupRollout:
+def plan_group_rollout(trainer: Trainer, iteration: int, *, with_step_noise: bool = True) -> GroupRollout:
     """Draw an iteration's prompts, SDE window and all of its noise from the trainer's shared
     generator: every process draws the same global tensors and keeps its own slice, so that N
-    processes sample exactly what one process would (see the module docstring)."""
+    processes sample exactly what one process would (see the module docstring). A sampler that
+    draws its step noise itself (DRM Step-GRPO's k candidates per step) passes
+    ``with_step_noise=False``."""
     cfg, s = trainer.cfg, trainer.cfg.sampling
     world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
     per_proc, group = cfg.rollout.prompts_per_iteration, cfg.rollout.group_size
@@ -55,7 +57,7 @@ def plan_group_rollout(trainer: Trainer, iteration: int) -> GroupRollout:
                                slide_every=s.window_slide_every, stride=s.window_stride, generator=trainer.generator)
     latent = trainer.adapter.latent_shape(trainer.resolution, trainer.resolution)
     noise = torch.randn((n_global, *latent), generator=trainer.generator)[local]
-    step_noise = torch.randn((n_global, s.num_steps, *latent), generator=trainer.generator)[local]
+    step_noise = torch.randn((n_global, s.num_steps, *latent), generator=trainer.generator)[local] if with_step_noise else None
     embeds = trainer.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
     schedule = trainer.adapter.make_schedule(s.num_steps, trainer.resolution, trainer.resolution)
     return GroupRollout(prompts, sample_prompts, n_local, n_global, rank * n_local, sde_mask, noise, step_noise, embeds, schedule)
