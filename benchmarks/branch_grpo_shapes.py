@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
-    _, heldout = split_prompts()
+    heldout = split_prompts().evaluation()
     prompts = heldout[: args.eval_prompts] if args.eval_prompts else heldout
     print(f"{len(names)} variants x {args.minutes:g} min of training on {args.model}; held-out: {len(prompts)} prompts x "
           f"{args.samples_per_prompt} samples, eval seed {args.seed}", flush=True)

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     sets = parse_sets(args.set, methods)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    _, heldout = split_prompts()
+    heldout = split_prompts().evaluation()
     prompts = heldout[: args.eval_prompts] if args.eval_prompts else heldout
     budget = args.minutes * 60
     drm_info = None

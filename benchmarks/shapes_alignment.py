@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         build_trainer(cfg, overwrite=True).train()
         train_seconds = time.perf_counter() - t0
-    _, heldout = split_prompts()
+    heldout = split_prompts().evaluation()
     kwargs = dict(num_steps=args.steps or cfg.sampling.eval_num_steps, guidance_scale=cfg.sampling.guidance_scale,
                   seed=args.seed, samples_per_prompt=args.samples_per_prompt)
     base = evaluate_adapter(load_adapter(cfg.model.id), heldout, **kwargs)

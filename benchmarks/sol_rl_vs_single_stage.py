@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
     p.add_argument("--single-override", action="append", default=[])
     args = p.parse_args(argv)
     out = Path(args.out)
-    _, heldout = split_prompts()
+    heldout = split_prompts().evaluation()
     heldout = heldout[: args.eval_prompts] if args.eval_prompts else heldout
 
     runs = []

@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--methods: unknown method {m!r}")
     sets = parse_sets(args.set)
     model_override = [f"model.id={args.model}"] if args.model else []
-    _, heldout = split_prompts()
+    heldout = split_prompts().evaluation()
     if args.smoke:
         from diffalign.shapes import prompt_family
 

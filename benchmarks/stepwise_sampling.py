@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     drm = reward_models.build("drm", path=args.drm)
     check_compatible(drm, adapter, key="--drm")
     res = adapter.default_resolution
-    _, heldout = split_prompts()
+    heldout = split_prompts().evaluation()
     prompts = heldout[: args.num_prompts] if args.num_prompts else heldout
     prompts = [q for q in prompts for _ in range(args.samples_per_prompt)]
     kernel = build_kernel(adapter, args.kernel, args.noise_level)

@@ -214,7 +214,7 @@ def app_from_run(aligned_run: str | Path | None = None, base: str | None = None,
     if not prompts and aligned.family == "shapes":
         from diffalign.shapes import split_prompts
 
-        prompts = split_prompts()[1]
+        prompts = split_prompts().evaluation()
     return build_app(
         base_adapter, aligned, reward_names,
         num_steps=int(sampling.get("eval_num_steps") or 20), guidance_scale=float(sampling.get("guidance_scale") or 4.5),

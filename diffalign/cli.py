@@ -78,8 +78,8 @@ def _eval_prompts(args) -> list[str]:
     if args.prompts in ("heldout", "train"):
         from diffalign.shapes import split_prompts
 
-        train, heldout = split_prompts()
-        prompts = heldout if args.prompts == "heldout" else train
+        split = split_prompts()
+        prompts = split.evaluation() if args.prompts == "heldout" else split.train
     else:
         f = Path(args.prompts)
         if not f.is_file():

@@ -127,7 +127,8 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
     if p.source == "shapes":
         from diffalign.shapes import prompt_family, split_prompts
 
-        train, heldout = split_prompts()
+        split = split_prompts()
+        train, heldout = split.train, split.evaluation()
         if p.families:
             unknown = sorted(set(p.families) - {prompt_family(x) for x in train + heldout})
             if unknown:

@@ -174,7 +174,7 @@ def test_shipped_model_draws_single_objects(shipped):
         pytest.skip("reward 'shapes_eval' is not registered yet")
     from diffalign.shapes.world import prompt_family
 
-    train, _ = split_prompts(seed=0)
+    train = split_prompts(seed=0).train
     prompts = [p for p in train if prompt_family(p) in ("single_object", "colors")]
     prompts = (prompts * 4)[:16]
     images = _sample(shipped.pipeline, prompts, steps=10, cfg=2.0, seed=0)

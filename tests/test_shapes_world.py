@@ -11,11 +11,16 @@ from diffalign.shapes.world import (
     BACKGROUND,
     COLORS,
     FAMILIES,
+    HELDOUT_COUNTS,
+    IN_DISTRIBUTION_FAMILIES,
+    RELATIONS,
     SHAPES,
     PromptError,
     all_prompts,
+    evaluation_prompts,
     make_batch,
     parse_prompt,
+    prompt_atoms,
     prompt_family,
     render,
     render_prompt,
@@ -86,18 +91,53 @@ def test_parse_rejects_outside_grammar(text, culprit):
         parse_prompt(text)
 
 
-def test_split_properties():
-    train, heldout = split_prompts(seed=0)
-    assert (train, heldout) == split_prompts(seed=0)
-    assert train == sorted(train) and heldout == sorted(heldout)
-    assert set(train).isdisjoint(heldout) and set(train) | set(heldout) == set(all_prompts())
-    assert {prompt_family(p) for p in train} == set(FAMILIES) == {prompt_family(p) for p in heldout}
-    # Some colour-shape pairs never appear in training text, yet every colour and shape does.
-    pairs = lambda ps: {(o.color, o.shape) for p in ps for o in parse_prompt(p).objects if o.color}
-    unseen = pairs(heldout) - pairs(train)
-    assert len(unseen) >= 3
-    assert {c for c, _ in pairs(train)} == set(COLORS) and {s for _, s in pairs(train)} == set(SHAPES)
-    assert split_prompts(seed=1) != (train, heldout)
+def test_split_roles_are_disjoint_sorted_and_deterministic():
+    split = split_prompts(seed=0)
+    assert split == split_prompts(seed=0) and split != split_prompts(seed=1)
+    train, heldout, probe = split
+    assert all(ps == sorted(ps) for ps in split)
+    assert set(train).isdisjoint(heldout) and set(train).isdisjoint(probe) and set(heldout).isdisjoint(probe)
+    assert set(train) | set(heldout) | set(probe) == set(all_prompts())
+    assert {prompt_family(p) for p in train} == set(FAMILIES)
+    heldout_families = {f: sum(prompt_family(p) == f for p in heldout) for f in FAMILIES}
+    assert heldout_families == {f: HELDOUT_COUNTS.get(f, 0) for f in FAMILIES}
+
+
+def test_every_heldout_atom_occurs_in_training():
+    """Held-out prompts recombine what training shows: every shape, colour, count, relation and
+    colour-shape pair they name occurs in some training prompt."""
+    split = split_prompts(seed=0)
+    known = set().union(*map(prompt_atoms, split.train))
+    for p in split.heldout:
+        assert prompt_atoms(p) <= known, p
+    # every attribute of the world is trained
+    assert {f"shape:{s}" for s in SHAPES} | {f"color:{c}" for c in COLORS} <= known
+    assert {f"relation:{r}" for r in RELATIONS} | {f"count:{n}" for n in range(1, 5)} <= known
+
+
+def test_probe_holds_three_pairs_never_trained():
+    split = split_prompts(seed=0)
+    pairs = lambda ps: {a for p in ps for a in prompt_atoms(p) if a.startswith("pair:")}
+    unseen = pairs(split.probe) - pairs(split.train) - pairs(split.heldout)
+    assert len(unseen) == 3 and {a.split()[-1] for a in unseen} == set(SHAPES)
+    assert all(prompt_atoms(p) & unseen for p in split.probe)
+
+
+def test_evaluation_prompts_cover_every_family_equally():
+    split = split_prompts(seed=0)
+    evaluation = split.evaluation()
+    # small families are evaluated on their training prompts (fresh seeds), the rest on held-out text
+    for p in evaluation:
+        assert (p in split.train) == (prompt_family(p) in IN_DISTRIBUTION_FAMILIES), p
+    images = evaluation_prompts(evaluation, images_per_family=96)
+    counts = {f: sum(prompt_family(p) == f for p in images) for f in FAMILIES}
+    assert counts == {f: 96 for f in FAMILIES}
+    for f in FAMILIES:  # each family's prompts equally often (96 is a multiple of every count)
+        per_prompt = {images.count(p) for p in evaluation if prompt_family(p) == f}
+        assert len(per_prompt) == 1, (f, per_prompt)
+    assert evaluation_prompts(["a photo of a circle"], images_per_family=3) == ["a photo of a circle"] * 3
+    with pytest.raises(ValueError, match="images_per_family"):
+        evaluation_prompts(evaluation, images_per_family=0)
 
 
 @pytest.mark.parametrize("size", [32, 64])

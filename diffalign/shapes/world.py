@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -44,16 +44,21 @@ __all__ = [
     "BACKGROUND",
     "COLORS",
     "FAMILIES",
+    "HELDOUT_COUNTS",
+    "IN_DISTRIBUTION_FAMILIES",
     "RELATIONS",
     "SHAPES",
     "ObjectSpec",
     "PlacedObject",
     "PromptError",
     "PromptSpec",
+    "PromptSplit",
     "Scene",
     "all_prompts",
+    "evaluation_prompts",
     "make_batch",
     "parse_prompt",
+    "prompt_atoms",
     "prompt_family",
     "relation_holds",
     "render",
@@ -297,31 +302,98 @@ def prompt_family(text: str) -> str:
     return parse_prompt(text).family
 
 
-def split_prompts(seed: int = 0, heldout_fraction: float = 0.15) -> tuple[list[str], list[str]]:
-    """Deterministic (train, heldout) split of :func:`all_prompts`, both sorted.
+IN_DISTRIBUTION_FAMILIES: tuple[str, ...] = ("single_object", "two_object")
+"""Families too small to split by prompt (3 and 6 prompts): every prompt trains, and evaluation
+samples them on fresh noise seeds. Reports label them in-distribution."""
 
-    Held out: (1) every prompt naming one of three colour-shape pairs (one per shape, three
-    different colours, chosen by ``seed``), so those combinations never appear in training text,
-    although each colour and each shape does; (2) a ``heldout_fraction`` share of the remaining
-    prompts of each family (at least one). Every family keeps at least one training prompt.
+# Share of each larger family's prompts held out (after the probe's prompts are set aside). These
+# give 96 evaluation images as whole multiples: counting 4 x 24, colors 6 x 16, position 8 x 12,
+# colour attribution 32 x 3.
+HELDOUT_COUNTS: dict[str, int] = {"counting": 4, "colors": 6, "position": 8, "color_attr": 32}
+
+
+class PromptSplit(NamedTuple):
+    """The world's prompts by role (each list sorted; the three are disjoint).
+
+    ``train``: the only prompts that training (pretraining and RL) may use.
+    ``heldout``: prompt texts that never occur in ``train``, from the families large enough to
+    split; every shape, colour, count, relation and colour-shape pair they name occurs in ``train``
+    prompts, so they measure whether training improved the model, not
+    compositional generalisation.
+    ``probe``: every prompt naming one of the held-out colour-shape pairs (the generalisation
+    probe: those pairs never occur in ``train``); reported apart, never the headline.
+    """
+
+    train: list[str]
+    heldout: list[str]
+    probe: list[str]
+
+    def evaluation(self) -> list[str]:
+        """The headline evaluation prompts: ``heldout`` plus the ``train`` prompts of the
+        :data:`IN_DISTRIBUTION_FAMILIES` (sampled on fresh seeds)."""
+        in_dist = [p for p in self.train if prompt_family(p) in IN_DISTRIBUTION_FAMILIES]
+        return sorted(self.heldout + in_dist)
+
+
+def prompt_atoms(spec: PromptSpec | str) -> set[str]:
+    """What a prompt asks the model to know: its shapes, colours, counts, relation and colour-shape
+    pairs, as strings (``"shape:circle"``, ``"pair:red circle"``, ``"count:3"``, ...)."""
+    if isinstance(spec, str):
+        spec = parse_prompt(spec)
+    atoms = {f"relation:{spec.relation}"} if spec.relation else set()
+    for o in spec.objects:
+        atoms |= {f"shape:{o.shape}", f"count:{o.count}"}
+        if o.color:
+            atoms |= {f"color:{o.color}", f"pair:{o.color} {o.shape}"}
+    return atoms
+
+
+def split_prompts(seed: int = 0) -> PromptSplit:
+    """The deterministic train / held-out / probe split of :func:`all_prompts` (see
+    :class:`PromptSplit`).
+
+    Three colour-shape pairs (one per shape, three different colours, chosen by ``seed``) are
+    held out entirely: every prompt naming one goes to ``probe``. Of each remaining family,
+    :data:`HELDOUT_COUNTS` prompts are held out, drawn at random until every atom of every
+    held-out prompt (:func:`prompt_atoms`) also occurs in a training prompt (a held-out
+    "a red square" needs the pair in some training prompt, e.g. a colour-attribution one).
     """
     rng = np.random.default_rng(seed)
     colors = list(COLORS)
     pair_colors = rng.permutation(len(colors))[: len(SHAPES)]
-    held_pairs = {(colors[int(c)], shape) for c, shape in zip(pair_colors, SHAPES)}
+    held_pairs = {f"pair:{colors[int(c)]} {shape}" for c, shape in zip(pair_colors, SHAPES)}
 
-    train: list[str] = []
-    heldout: list[str] = []
+    probe = [s.text for s in _all_specs() if prompt_atoms(s) & held_pairs]
+    rest = {f: sorted(s.text for s in _all_specs() if s.family == f and s.text not in probe) for f in FAMILIES}
+    for _ in range(10_000):
+        heldout: list[str] = []
+        for family, texts in rest.items():
+            order = rng.permutation(len(texts))[: HELDOUT_COUNTS.get(family, 0)]
+            heldout += [texts[int(i)] for i in order]
+        train = [t for texts in rest.values() for t in texts if t not in heldout]
+        known = set().union(*map(prompt_atoms, train))
+        if all(prompt_atoms(t) <= known for t in heldout):
+            break
+    else:  # pragma: no cover - the counts above leave plenty of valid draws
+        raise RuntimeError("no split keeps every held-out prompt's atoms in training")
+    return PromptSplit(sorted(train), sorted(heldout), sorted(probe))
+
+
+def evaluation_prompts(prompts: Sequence[str], images_per_family: int = 96) -> list[str]:
+    """``prompts`` repeated round-robin within each family to ``images_per_family`` entries per
+    family (families in :data:`FAMILIES` order, each family's prompts sorted). Sampled with one
+    fixed seed, every entry gets its own noise; the same list and seed give every compared model
+    the same images' noise."""
+    if images_per_family < 1:
+        raise ValueError(f"images_per_family must be >= 1, got {images_per_family}")
+    by_family: dict[str, list[str]] = {}
+    for p in sorted(set(prompts)):
+        by_family.setdefault(prompt_family(p), []).append(p)
+    out: list[str] = []
     for family in FAMILIES:
-        specs = sorted((s for s in _all_specs() if s.family == family), key=lambda s: s.text)
-        novel = [s.text for s in specs if any((o.color, o.shape) in held_pairs for o in s.objects)]
-        rest = [s.text for s in specs if s.text not in novel]
-        n_extra = max(1 if not novel else 0, int(round(heldout_fraction * len(rest))))
-        n_extra = min(n_extra, len(rest) - 1)  # keep the family in train
-        pick = set(rng.permutation(len(rest))[:n_extra].tolist())
-        heldout += novel + [t for i, t in enumerate(rest) if i in pick]
-        train += [t for i, t in enumerate(rest) if i not in pick]
-    return sorted(train), sorted(heldout)
+        ps = by_family.get(family, [])
+        out += [ps[i % len(ps)] for i in range(images_per_family)] if ps else []
+    return out
 
 
 # --------------------------------------------------------------------------------------------
