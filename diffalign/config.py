@@ -143,12 +143,38 @@ class EmaConfig:
         _check(self.every >= 1, "train.ema.every", "must be >= 1")
 
 
+def native_bf16(device, cpu_flags: set[str] | None = None) -> bool:
+    """Does ``device`` compute bf16 natively? CUDA: ``torch.cuda.is_bf16_supported()``; CPU: the
+    AVX512-BF16 or AMX-BF16 instruction sets (``cpu_flags``, read from /proc/cpuinfo by default)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    if cpu_flags is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+        cpu_flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags)
+
+
 @dataclass
 class TrainConfig:
     batch_size: int = 8  # samples per training micro-batch (per process)
     optimizer_steps_per_iteration: int = 1  # gradients accumulate over samples x timesteps in between
     inner_epochs: int = 1  # passes over the iteration's samples
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # accelerate autocast
+    # accelerate autocast of the denoiser's forwards (rollouts and updates alike, so the on-policy
+    # ratio stays 1; step kernels and log-probs stay fp32). "auto": bf16 where the hardware computes
+    # it natively (CUDA with bf16, CPUs with AVX512-BF16 or AMX), else "no".
+    mixed_precision: Literal["no", "bf16", "fp16", "auto"] = "no"
+    channels_last: bool = False  # conv denoisers (UNets) in channels-last memory format (faster CPU convs)
+    # CFG in the update: the unconditional branch runs without gradient (one backward of B rows, not
+    # 2B). An approximation: the gradient through the (1 - g) x uncond term is dropped.
+    detach_uncond: bool = False
     gradient_checkpointing: bool = False
     ema: EmaConfig = field(default_factory=EmaConfig)
     self_check: bool = True  # stop if the on-policy ratio before any update is not 1
@@ -163,6 +189,12 @@ class TrainConfig:
     # configs/accelerate/fsdp.yaml sets it. Flow-GRPO and Stepwise-Flow-GRPO for now.
     fsdp: bool = False
     attention: Literal["default", "xformers"] = "default"  # xformers: memory-efficient attention (CUDA + xformers)
+
+    def resolved_mixed_precision(self, device: "torch.device") -> str:
+        """``mixed_precision`` with "auto" decided for ``device`` (see :func:`native_bf16`)."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        return "bf16" if native_bf16(device) else "no"
 
     def validate(self) -> None:
         _check(self.zero_stage in (0, 1, 2) and not isinstance(self.zero_stage, bool), "train.zero_stage",
@@ -317,6 +349,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if errors else f"config key '{key}' has an invalid value {value!r}")
     if origin is Literal:
+        if isinstance(value, bool) and ("no" if not value else "yes") in args:
+            value = "no" if not value else "yes"  # YAML 1.1 reads a bare no / yes as a boolean
         if value not in args:
             raise ConfigError(f"config key '{key}' must be one of {', '.join(map(str, args))}; got {value!r}")
         return value

@@ -121,6 +121,18 @@ class EMA:
         self.steps = state["steps"]
 
 
+def _allow_precision(mixed_precision: str) -> None:
+    """accelerate keeps one precision per process. A single, unlaunched process may run trainers of
+    different precisions in turn (benchmarks, tests): forget the earlier one's. A launched
+    multi-process run keeps accelerate's check."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    if not AcceleratorState._shared_state or AcceleratorState._shared_state.get("_mixed_precision") in (None, mixed_precision):
+        return
+    if PartialState().num_processes == 1:
+        AcceleratorState._reset_state()
+
+
 def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
     """(train prompts, eval prompts) from ``cfg.prompts``."""
     p = cfg.prompts
@@ -216,6 +228,7 @@ class Trainer:
         self.start_iteration = 0
         self._consecutive_bad_steps = 0
         self._pool: Optional[ThreadPoolExecutor] = None
+        self.self_check_log_ratio: Optional[float] = None  # max |log ratio| of the on-policy self-check
         self._ds_engine = None  # DeepSpeed ZeRO engine (train.zero_stage)
         self._saved_iteration: Optional[int] = None  # the iteration of the last checkpoint written
         self._fsdp_units: Optional[list] = None  # FSDP units (train.fsdp)
@@ -229,7 +242,10 @@ class Trainer:
         # Validate everything that needs no model before touching the run directory.
         self.train_prompts, self.eval_prompts = resolve_prompts(cfg)
         self.reward_fn = reward_models.build(cfg.reward.name, device="cpu", **cfg.reward.kwargs)
-        self.accelerator = Accelerator(mixed_precision=cfg.train.mixed_precision, cpu=not torch.cuda.is_available())
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.mixed_precision = cfg.train.resolved_mixed_precision(device)
+        _allow_precision(self.mixed_precision)
+        self.accelerator = Accelerator(mixed_precision=self.mixed_precision, cpu=device.type == "cpu")
         runs.check_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)  # every process: same verdict
         self.device = self.accelerator.device
         set_seed(cfg.seed)  # same on every process: identical initial (LoRA) weights
@@ -280,6 +296,9 @@ class Trainer:
         self._lora_layers = [m for m in denoiser.modules() if isinstance(m, BaseTunerLayer)]
         if cfg.train.gradient_checkpointing and hasattr(denoiser, "enable_gradient_checkpointing"):
             denoiser.enable_gradient_checkpointing()
+        if cfg.train.channels_last:
+            denoiser.to(memory_format=torch.channels_last)
+        self.adapter.detach_uncond = cfg.train.detach_uncond
         for p in denoiser.parameters():  # trainable weights in fp32 whatever the model dtype (mixed precision)
             if p.requires_grad:
                 p.data = p.data.float()
@@ -349,11 +368,13 @@ class Trainer:
             self._log(message)
 
     def autocast(self):
-        if self._ds_engine is not None and self.cfg.train.mixed_precision == "bf16":
-            # accelerate leaves precision to DeepSpeed when it launched it; the ZeRO path keeps fp32
-            # master weights and autocasts the forwards itself.
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return self.accelerator.autocast()
+        """The forwards' autocast (rollouts and updates alike). Decided by this trainer's precision,
+        not by accelerate's process-wide state (DeepSpeed's ZeRO path keeps fp32 master weights and
+        autocasts the same way)."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
         """Call the reward, validate the output (shape) and return (rewards (B,), info)."""
@@ -527,6 +548,7 @@ class Trainer:
         if not self.cfg.train.self_check or new_logp.numel() == 0:
             return
         worst = float((new_logp.float() - old_logp.float()).abs().max())
+        self.self_check_log_ratio = worst
         if not math.isfinite(worst) or worst > self.cfg.train.self_check_tolerance:
             raise SelfCheckError(
                 f"on-policy self-check failed: |log ratio| = {worst:.3g} before any update (tolerance "

@@ -33,18 +33,26 @@ def guided_forward(
     t: torch.Tensor,
     embeds: PromptEmbeds,
     guidance_scale: float,
+    detach_uncond: bool = False,
 ) -> torch.Tensor:
     """Classifier-free guidance in one batched forward.
 
     ``forward(x, t, cond_kwargs)`` runs the denoiser on a batch. With ``guidance_scale > 1``
     and ``embeds.uncond`` set, the batch is ``[uncond; cond]`` (2B rows) and the result is
-    ``uncond + g * (cond - uncond)`` in fp32; otherwise only the cond rows are run.
+    ``uncond + g * (cond - uncond)`` in fp32; otherwise only the cond rows are run. With
+    ``detach_uncond`` and gradients enabled, the uncond rows run in a separate forward without
+    gradient (the backward then covers B rows, not 2B).
     """
     t = batch_t(t, x.shape[0], x.device)
     if guidance_scale > 1.0 and embeds.uncond is not None:
-        kwargs = {k: torch.cat([embeds.uncond[k], embeds.cond[k]]) for k in embeds.cond}
-        out = forward(torch.cat([x, x]), torch.cat([t, t]), kwargs).float()
-        uncond, cond = out.chunk(2)
+        if detach_uncond and torch.is_grad_enabled():
+            with torch.no_grad():
+                uncond = forward(x, t, embeds.uncond).float()
+            cond = forward(x, t, embeds.cond).float()
+        else:
+            kwargs = {k: torch.cat([embeds.uncond[k], embeds.cond[k]]) for k in embeds.cond}
+            out = forward(torch.cat([x, x]), torch.cat([t, t]), kwargs).float()
+            uncond, cond = out.chunk(2)
         return uncond + guidance_scale * (cond - uncond)
     return forward(x, t, embeds.cond).float()
 

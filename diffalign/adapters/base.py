@@ -77,6 +77,7 @@ class ModelAdapter(ABC):
         self.pipeline = pipeline
         self.device = torch.device(device)
         self.dtype = dtype
+        self.detach_uncond = False  # CFG updates: uncond branch without gradient (train.detach_uncond)
         pipeline.to(self.device)
         # Frozen parts (text encoders, VAE) stay in `dtype`; the trainer decides about the denoiser.
         for module in self.frozen_modules():

@@ -217,7 +217,7 @@ class SanaAdapter(ModelAdapter):
                 out = out.chunk(2, dim=1)[0]
             return out
 
-        return guided_forward(forward, x, batch_t(t, x.shape[0], x.device), embeds, guidance_scale)
+        return guided_forward(forward, x, batch_t(t, x.shape[0], x.device), embeds, guidance_scale, self.detach_uncond)
 
     def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return x.float() - bcast(t, x) * model_output.float()  # x0_hat = x_t - t * v

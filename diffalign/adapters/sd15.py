@@ -119,7 +119,7 @@ class SD15Adapter(UNetDDIMMixin, ModelAdapter):
         def forward(xb, tb, kw):
             return unet(xb.to(dtype), tb, encoder_hidden_states=kw["encoder_hidden_states"].to(dtype), return_dict=False)[0]
 
-        return self._as_epsilon(guided_forward(forward, x, t, embeds, guidance_scale), x, t)
+        return self._as_epsilon(guided_forward(forward, x, t, embeds, guidance_scale, self.detach_uncond), x, t)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -155,7 +155,7 @@ class SD3Adapter(ModelAdapter):
                 return_dict=False,
             )[0]
 
-        return guided_forward(forward, x, t, embeds, guidance_scale)
+        return guided_forward(forward, x, t, embeds, guidance_scale, self.detach_uncond)
 
     def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return x.float() - bcast(t, x) * model_output.float()  # x0_hat = x_t - t * v

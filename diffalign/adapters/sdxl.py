@@ -181,7 +181,7 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
                 added_cond_kwargs=added, return_dict=False,
             )[0]
 
-        return self._as_epsilon(guided_forward(forward, x, t, embeds, guidance_scale), x, t)
+        return self._as_epsilon(guided_forward(forward, x, t, embeds, guidance_scale, self.detach_uncond), x, t)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

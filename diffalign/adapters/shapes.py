@@ -97,7 +97,7 @@ class ShapesAdapter(ModelAdapter):
             # UNet timestep input = sigma * 1000 (FlowMatchEulerDiscreteScheduler.timesteps).
             return unet(xb.to(dtype), tb * 1000.0, encoder_hidden_states=kwargs["encoder_hidden_states"].to(dtype)).sample
 
-        return guided_forward(forward, x, batch_t(t, x.shape[0], x.device), embeds, guidance_scale)
+        return guided_forward(forward, x, batch_t(t, x.shape[0], x.device), embeds, guidance_scale, self.detach_uncond)
 
     def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return x - bcast(t, x) * model_output  # x0_hat = x_t - t * v

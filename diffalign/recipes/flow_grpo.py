@@ -12,6 +12,7 @@ processes. Two processes therefore compute the same update as one process over t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,7 +100,9 @@ class FlowGRPOTrainer(Trainer):
     # ---- one iteration ----------------------------------------------------------------------
     def iteration(self, iteration: int) -> dict:
         algo = self.algo
+        t0 = time.perf_counter()
         traj, embeds, sample_ids, n_global, rewards, info = self.rollout(iteration)
+        t_rollout = time.perf_counter() - t0
         rewards = self.check_rewards(rewards, iteration)
         all_rewards = self.accelerator.gather(rewards.to(self.device)).cpu()  # (n_global,) in sample order
         group_ids = torch.arange(n_global) // self.cfg.rollout.group_size
@@ -114,7 +117,9 @@ class FlowGRPOTrainer(Trainer):
             "kept_frac": float(adv.keep.float().mean()),
             **info,
         }
+        t0 = time.perf_counter()
         record.update(self.update(traj, embeds, sample_ids, n_global, adv.advantages, adv.keep))
+        record.update({"time/rollout": t_rollout, "time/update": time.perf_counter() - t0})
         return record
 
     # ---- policy update ----------------------------------------------------------------------
