@@ -109,6 +109,10 @@ class PromptsConfig:
     eval_file: Optional[str] = None
     families: list[str] = field(default_factory=list)  # source=shapes: restrict to these task families
     balance_families: bool = False  # source=shapes: draw training prompts family-uniformly (as GenEval's overall weighs families)
+    # source=shapes: "heldout" trains on the train split and evaluates on held-out prompts;
+    # "validation" (hyperparameter search) trains on the train split less a validation subset and
+    # evaluates on that subset, so held-out and probe prompts never inform a choice.
+    evaluate_on: Literal["heldout", "validation"] = "heldout"
 
     def validate(self) -> None:
         if self.source == "list":

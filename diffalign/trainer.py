@@ -137,10 +137,10 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
     """(train prompts, eval prompts) from ``cfg.prompts``."""
     p = cfg.prompts
     if p.source == "shapes":
-        from diffalign.shapes import prompt_family, split_prompts
+        from diffalign.shapes import prompt_family, split_prompts, validation_split
 
         split = split_prompts()
-        train, heldout = split.train, split.evaluation()
+        train, heldout = validation_split(split) if p.evaluate_on == "validation" else (split.train, split.evaluation())
         if p.families:
             unknown = sorted(set(p.families) - {prompt_family(x) for x in train + heldout})
             if unknown:

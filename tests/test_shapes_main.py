@@ -74,3 +74,15 @@ def test_balanced_family_sampling(tmp_path):
     assert len(counts) == 6 and max(counts.values()) - min(counts.values()) <= 10
     plain, _ = resolve_prompts(load_config(None, [f"output_dir={tmp_path}"]))
     assert set(train) == set(plain) and len(heldout) > 0
+
+
+def test_validation_mode_trains_and_evaluates_on_training_prompts_only(repo_root):
+    from diffalign.config import load_config
+    from diffalign.shapes import split_prompts, validation_split
+    from diffalign.trainer import resolve_prompts
+
+    cfg = load_config(str(repo_root / MAIN), ["prompts.evaluate_on=validation", "prompts.balance_families=false"])
+    train, evaluation = resolve_prompts(cfg)
+    split = split_prompts()
+    assert (sorted(train), sorted(evaluation)) == validation_split(split)
+    assert set(evaluation).isdisjoint(split.heldout + split.probe)

@@ -15,6 +15,7 @@ from diffalign.shapes.world import (
     IN_DISTRIBUTION_FAMILIES,
     RELATIONS,
     SHAPES,
+    VALIDATION_COUNTS,
     PromptError,
     all_prompts,
     evaluation_prompts,
@@ -27,6 +28,7 @@ from diffalign.shapes.world import (
     requirements_met,
     sample_scene,
     split_prompts,
+    validation_split,
     vocabulary,
 )
 
@@ -206,3 +208,18 @@ def test_determinism_and_batch():
     assert render_prompt("a photo of a triangle", np.random.default_rng(0)).shape == (3, 32, 32)
     with pytest.raises(TypeError):
         make_batch("a photo of a triangle", np.random.default_rng(0))
+
+
+def test_validation_split_tunes_without_touching_heldout_or_probe():
+    split = split_prompts(seed=0)
+    fit, validation = validation_split(split)
+    assert (fit, validation) == validation_split(split)
+    assert set(fit) <= set(split.train) and set(validation) <= set(split.train)
+    assert set(validation).isdisjoint(split.heldout) and set(validation).isdisjoint(split.probe)
+    known = set().union(*map(prompt_atoms, fit))
+    for p in validation:
+        assert prompt_atoms(p) <= known, p
+        # only the in-distribution families are both fitted and validated (on fresh seeds)
+        assert (p in fit) == (prompt_family(p) in IN_DISTRIBUTION_FAMILIES), p
+    counts = {f: sum(prompt_family(p) == f for p in validation if p not in fit) for f in FAMILIES}
+    assert counts == {f: VALIDATION_COUNTS.get(f, 0) for f in FAMILIES}

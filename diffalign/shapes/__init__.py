@@ -12,6 +12,7 @@ from diffalign.shapes.world import (
     IN_DISTRIBUTION_FAMILIES,
     RELATIONS,
     SHAPES,
+    VALIDATION_COUNTS,
     ObjectSpec,
     PlacedObject,
     PromptError,
@@ -30,6 +31,7 @@ from diffalign.shapes.world import (
     requirements_met,
     sample_scene,
     split_prompts,
+    validation_split,
     vocabulary,
 )
 
@@ -41,6 +43,7 @@ __all__ = [
     "IN_DISTRIBUTION_FAMILIES",
     "RELATIONS",
     "SHAPES",
+    "VALIDATION_COUNTS",
     "ObjectSpec",
     "PlacedObject",
     "PromptError",
@@ -59,5 +62,6 @@ __all__ = [
     "requirements_met",
     "sample_scene",
     "split_prompts",
+    "validation_split",
     "vocabulary",
 ]

@@ -48,6 +48,7 @@ __all__ = [
     "IN_DISTRIBUTION_FAMILIES",
     "RELATIONS",
     "SHAPES",
+    "VALIDATION_COUNTS",
     "ObjectSpec",
     "PlacedObject",
     "PromptError",
@@ -67,6 +68,7 @@ __all__ = [
     "sample_scene",
     "scale_for",
     "split_prompts",
+    "validation_split",
     "vocabulary",
 ]
 
@@ -377,6 +379,33 @@ def split_prompts(seed: int = 0) -> PromptSplit:
     else:  # pragma: no cover - the counts above leave plenty of valid draws
         raise RuntimeError("no split keeps every held-out prompt's atoms in training")
     return PromptSplit(sorted(train), sorted(heldout), sorted(probe))
+
+
+# Validation prompts carved from the training split for choosing hyperparameters (96 images per
+# family as whole multiples: counting 2 x 48, colors 3 x 32, position 4 x 24, colour attribution 24 x 4).
+VALIDATION_COUNTS: dict[str, int] = {"counting": 2, "colors": 3, "position": 4, "color_attr": 24}
+
+
+def validation_split(split: PromptSplit, seed: int = 1) -> tuple[list[str], list[str]]:
+    """``(fit, validation)``: the training prompts split again, for tuning hyperparameters without
+    touching ``heldout`` or ``probe``. :data:`VALIDATION_COUNTS` prompts per family move to
+    ``validation`` under the same rule as :func:`split_prompts` (every atom of a validation prompt
+    occurs in ``fit``); the :data:`IN_DISTRIBUTION_FAMILIES` stay in ``fit`` and are validated on
+    fresh seeds. Both lists sorted."""
+    rng = np.random.default_rng(seed)
+    by_family: dict[str, list[str]] = {}
+    for p in split.train:
+        by_family.setdefault(prompt_family(p), []).append(p)
+    for _ in range(10_000):
+        validation = [ps[int(i)] for f, ps in by_family.items() for i in rng.permutation(len(ps))[: VALIDATION_COUNTS.get(f, 0)]]
+        fit = [p for p in split.train if p not in validation]
+        known = set().union(*map(prompt_atoms, fit))
+        if all(prompt_atoms(t) <= known for t in validation):
+            break
+    else:  # pragma: no cover
+        raise RuntimeError("no validation split keeps every validation prompt's atoms in the fit prompts")
+    in_dist = [p for p in fit if prompt_family(p) in IN_DISTRIBUTION_FAMILIES]
+    return sorted(fit), sorted(validation + in_dist)
 
 
 def evaluation_prompts(prompts: Sequence[str], images_per_family: int = 96) -> list[str]:
