@@ -66,6 +66,8 @@ def parse_args(argv=None):
                         "rewritten atomically every --ckpt-every steps and at the end")
     p.add_argument("--ckpt-every", type=int, default=250, help="save the state (and quick-eval) every N steps")
     p.add_argument("--resume", action="store_true", help="continue exactly from the state in --state-dir")
+    p.add_argument("--export-only", action="store_true",
+                   help="with --resume: write --out from the state's EMA weights (and evaluate it) without training")
     p.add_argument("--eval-per-family", type=int, default=48, help="final eval: images per family and split")
     p.add_argument("--eval-steps", type=int, default=20, help="ODE steps for evaluation sampling")
     p.add_argument("--cfg", type=float, default=None, help="CFG scale for evaluation (default: the pipeline's)")
@@ -283,6 +285,10 @@ def main(argv=None) -> None:
         print(f"resumed from {state_dir} at step {step}", flush=True)
     first_step = step
     stop_at = args.steps if args.until is None else min(args.until, args.steps)
+    if args.export_only:
+        if not args.resume:
+            raise SystemExit("--export-only needs --resume (the state to export)")
+        stop_at = step
     while step < stop_at:
         if args.minutes is not None and time.time() - start > 60 * args.minutes:
             print(f"time limit of {args.minutes} min reached at step {step}", flush=True)
@@ -326,7 +332,7 @@ def main(argv=None) -> None:
                 unet.train(), text_encoder.train()
 
     print(f"trained to step {step} ({step - first_step} steps) in {(time.time() - start) / 60:.1f} min", flush=True)
-    if state_dir is not None:
+    if state_dir is not None and not args.export_only:
         save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg})
     unet_sd, text_sd = ema_state()
     save(eval_pipe(unet_sd, text_sd), unet_sd, args.out)

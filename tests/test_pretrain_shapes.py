@@ -56,3 +56,16 @@ def test_learning_rate_warms_up_holds_then_decays(pretrain):
     assert f[0] == pytest.approx(0.1) and f[9] == 1.0 and f[79] == 1.0 and f[80] == 1.0
     assert f[90] == pytest.approx(0.55) and f[100] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(f[10:], f[11:]))
+
+
+def test_export_only_writes_the_state_without_training(pretrain, tmp_path):
+    state = _run(pretrain, tmp_path, "run", 4, "--until", "3")
+    before = (state / "state.json").read_text()
+    _run(pretrain, tmp_path, "run", 4, "--resume", "--export-only")
+    assert (state / "state.json").read_text() == before  # not trained, not rewritten
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    exported = ShapesPipeline.from_pretrained(str(tmp_path / "run" / "model"))
+    ema = load_file(str(state / "ema.safetensors"))
+    first = next(iter(exported.unet.parameters()))
+    torch.testing.assert_close(first.float(), ema["0"].half().float())  # the EMA weights, stored in fp16

@@ -1,0 +1,99 @@
+"""Tune the main job's Flow-GRPO recipe on a validation subset of the TRAINING prompts.
+
+Each variant of ``VARIANTS`` (config overrides of ``configs/shapes/flow_grpo.yaml``) trains for
+the same number of iterations (the same images and steps) with ``prompts.evaluate_on=validation``:
+training uses the train split less the validation prompts, and the before/after evaluations use
+the validation prompts only, so held-out and probe prompts never inform the choice. Results are
+written per variant (``<out>/<variant>.json``) and skipped when present: an interrupted sweep
+resumes. Prints a table ranked by the validation per-image pass rate (ties: partial credit).
+
+    python benchmarks/sweep_flow_grpo.py [--iterations 24] [--variants lr3e-4,lr1e-3] [--out DIR] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name -> overrides; the first is the config as shipped
+VARIANTS: dict[str, list[str]] = {
+    "shipped": [],
+    "lr1e-4": ["optim.lr=1e-4"],
+    "lr1e-3": ["optim.lr=1e-3"],
+    "lr1e-3_clip1e-2": ["optim.lr=1e-3", "algorithm.clip_range=0.01"],
+    "lr1e-3_kl0.01": ["optim.lr=1e-3", "algorithm.beta=0.01"],
+    "lr3e-3_clip1e-2": ["optim.lr=3e-3", "algorithm.clip_range=0.01"],
+    "group16x4": ["rollout.group_size=16", "rollout.prompts_per_iteration=4"],
+    "steps4": ["train.optimizer_steps_per_iteration=4"],
+}
+METRICS = ("eval/acc/images", "eval/reward_mean", "eval/acc/overall")  # pass rate, partial credit, family mean
+
+
+def run_variant(config: str, name: str, overrides: list[str], out: Path, iterations: int, extra: list[str]) -> dict:
+    from diffalign.config import load_config
+    from diffalign.recipes import build_trainer
+
+    run_dir = out / "runs" / name
+    cfg = load_config(config, [*overrides, *extra, f"output_dir={run_dir}", f"max_iterations={iterations}",
+                               "prompts.evaluate_on=validation", "eval.at_start=true", "eval.every=0",
+                               "checkpoint.every=0", "log.report=false", "log.progress_bar=false"])
+    t0 = time.perf_counter()
+    build_trainer(cfg, overwrite=True).train()
+    seconds = time.perf_counter() - t0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r.get("eval")]
+    train = [r for r in records if not r.get("eval")]
+    return {"name": name, "overrides": overrides, "iterations": iterations, "seconds": seconds,
+            "before": {k: evals[0][k] for k in METRICS}, "after": {k: evals[-1][k] for k in METRICS},
+            "train_reward_first": train[0]["reward_mean"], "train_reward_last": train[-1]["reward_mean"],
+            "approx_kl_last": train[-1].get("approx_kl"), "clip_frac_last": train[-1].get("clip_frac")}
+
+
+def format_rows(results: list[dict]) -> str:
+    rows = sorted(results, key=lambda r: (r["after"][METRICS[0]], r["after"][METRICS[1]]), reverse=True)
+    lines = [f"{'variant':18}{'pass rate':>22}{'partial credit':>22}{'family mean':>22}{'train reward':>16}{'min':>6}"]
+    for r in rows:
+        cells = "".join(f"{r['before'][k]:>10.3f} -> {r['after'][k]:.3f}" for k in METRICS)
+        lines.append(f"{r['name']:18}{cells}{r['train_reward_first']:>8.3f}->{r['train_reward_last']:.3f}{r['seconds'] / 60:>6.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(ROOT / "configs/shapes/flow_grpo.yaml"))
+    p.add_argument("--iterations", type=int, default=24, help="training iterations per variant (equal budget)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    p.add_argument("--out", default=str(ROOT / "runs/sweep_flow_grpo"))
+    p.add_argument("overrides", nargs="*", help="applied to every variant (e.g. model.id=...)")
+    args = p.parse_args(argv)
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in names:
+        piece = out / f"{name}.json"
+        if piece.is_file():
+            print(f"- {name}: done earlier ({piece})", flush=True)
+        else:
+            print(f"- {name}: {' '.join(VARIANTS[name]) or '(as shipped)'}", flush=True)
+            result = run_variant(args.config, name, VARIANTS[name], out, args.iterations, list(args.overrides))
+            piece.write_text(json.dumps(result, indent=1))
+        results.append(json.loads(piece.read_text()))
+    print(f"\nvalidation prompts (training split), {args.iterations} iterations per variant; before -> after")
+    print(format_rows(results))
+    best = max(results, key=lambda r: (r["after"][METRICS[0]], r["after"][METRICS[1]]))
+    print(f"best: {best['name']} ({' '.join(best['overrides']) or 'as shipped'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

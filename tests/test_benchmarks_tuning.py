@@ -1,0 +1,41 @@
+"""Smoke runs of the tuning benchmarks on the tiny shapes model (no timing assertions)."""
+
+import importlib.util
+import json
+import sys
+
+TINY = ["model.id=tiny:shapes", "rollout.prompts_per_iteration=2", "rollout.group_size=4", "rollout.sample_batch_size=8",
+        "train.batch_size=8", "sampling.eval_num_steps=2", "eval.num_prompts=4"]
+BRIGHTNESS = ["reward.name=brightness", "reward.kwargs={}"]  # a reward the random tiny model varies on
+
+
+def _load(repo_root, name):
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", repo_root / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sweep_runs_each_variant_once_and_resumes(repo_root, tmp_path, capsys):
+    sweep = _load(repo_root, "sweep_flow_grpo")
+    args = ["--iterations", "1", "--variants", "shipped,lr1e-3", "--out", str(tmp_path), *TINY]
+    assert sweep.main(args) == 0
+    first = capsys.readouterr().out
+    assert "best:" in first and first.count("(as shipped)") == 1
+    piece = json.loads((tmp_path / "lr1e-3.json").read_text())
+    assert piece["overrides"] == ["optim.lr=1e-3"] and piece["iterations"] == 1
+    assert set(piece["after"]) == set(sweep.METRICS)
+    # the validation prompts come from the training split only
+    cfg = (tmp_path / "runs" / "lr1e-3" / "config.yaml").read_text()
+    assert "evaluate_on: validation" in cfg
+    assert sweep.main(args) == 0  # everything done: nothing is trained again
+    again = capsys.readouterr().out
+    assert again.count("done earlier") == 2
+
+
+def test_iteration_speed_prints_the_ratio(repo_root, capsys):
+    speed = _load(repo_root, "iteration_speed")
+    assert speed.main(["--iterations", "1", *TINY, *BRIGHTNESS]) == 0
+    out = capsys.readouterr().out
+    assert "old/new" in out and "self-check" in out
