@@ -41,6 +41,17 @@ def test_two_processes_match_one(repo_root, tmp_path):
     assert_same_update(weights(start), weights(one), weights(two), rel=REL, min_update=1e-3)
 
 
+def test_a_lost_sample_fails_the_comparison(repo_root, tmp_path):
+    """The comparison catches a sharding defect: two processes where the second leaves one of its
+    samples out of the update (tests/drop_sample_worker.py) do not match one process."""
+    start, one, two = tmp_path / "start", tmp_path / "one", tmp_path / "two"
+    launch(["-m", "diffalign.cli", "train", *COMMON, f"output_dir={start}", "max_iterations=0"], repo_root)
+    launch(["-m", "diffalign.cli", "train", *COMMON, f"output_dir={one}", "rollout.prompts_per_iteration=2"], repo_root)
+    launch(["tests/drop_sample_worker.py", *COMMON, f"output_dir={two}", "rollout.prompts_per_iteration=1"], repo_root, nproc=2)
+    with pytest.raises(AssertionError, match="apart"):
+        assert_same_update(weights(start), weights(one), weights(two), rel=REL, min_update=1e-3)
+
+
 FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "train.ema.enabled=false",
         "max_iterations=2", "eval.every=0", "checkpoint.every=0", *COMPARABLE, "--overwrite"]
 # (config, overrides for both, one process, two processes): the same global batch either way
