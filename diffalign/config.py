@@ -123,17 +123,23 @@ class PromptsConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"  # adamw | sgd (plain SGD: its step is linear in the gradients)
     lr: float = 3e-4
     weight_decay: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    eps: float = 1e-8  # adamw
+    momentum: float = 0.0  # sgd: heavy-ball momentum; 0 = none
     grad_clip: float = 1.0  # max grad norm; 0 disables clipping
-    use_8bit_adam: bool = False  # bitsandbytes AdamW8bit (GPU only)
+    use_8bit_adam: bool = False  # adamw: bitsandbytes AdamW8bit (GPU only)
 
     def validate(self) -> None:
         _check(self.lr > 0, "optim.lr", "must be > 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two numbers in [0, 1)")
+        _check(0 <= self.momentum < 1, "optim.momentum", "must be in [0, 1)")
+        _check(self.momentum == 0 or self.name == "sgd", "optim.momentum", "applies to optim.name=sgd only")
         _check(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
+        _check(not (self.use_8bit_adam and self.name == "sgd"), "optim.use_8bit_adam",
+               "selects bitsandbytes AdamW8bit; it needs optim.name=adamw")
 
 
 @dataclass

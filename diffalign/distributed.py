@@ -71,7 +71,7 @@ def deepspeed_config(cfg, stage: int, world: int) -> dict:
         "train_batch_size": cfg.train.batch_size * world,
         "zero_optimization": {"stage": stage, "contiguous_gradients": True, "overlap_comm": False, "reduce_scatter": True},
         "gradient_clipping": float(cfg.optim.grad_clip),
-        "zero_allow_untested_optimizer": True,  # torch AdamW / bitsandbytes AdamW8bit
+        "zero_allow_untested_optimizer": True,  # torch AdamW or SGD, bitsandbytes AdamW8bit
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},  # fp32 master weights; forwards use autocast
         "steps_per_print": 2**31 - 1,

@@ -21,7 +21,7 @@ CARD_HPARAMS = (
     "max_iterations", "seed", "model.resolution", "lora.rank", "lora.alpha", "lora.targets",
     "sampling.num_steps", "sampling.eval_num_steps", "sampling.guidance_scale", "sampling.kernel",
     "sampling.noise_level", "sampling.window_size", "rollout.prompts_per_iteration", "rollout.group_size",
-    "reward.name", "reward.kwargs", "optim.lr", "optim.weight_decay", "optim.grad_clip", "train.batch_size",
+    "reward.name", "reward.kwargs", "optim.name", "optim.lr", "optim.weight_decay", "optim.grad_clip", "train.batch_size",
     "train.optimizer_steps_per_iteration", "train.inner_epochs", "train.mixed_precision",
     "train.ema.enabled", "train.ema.decay", "train.ema.every",
 )

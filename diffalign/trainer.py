@@ -209,6 +209,22 @@ def reward_info(results: Sequence[tuple[torch.Tensor, dict]]) -> dict[str, float
     return {(k if k.startswith("reward/") else f"reward/{k}"): float(np.mean(v)) for k, v in info.items()}
 
 
+def make_optimizer(params: list, opt) -> torch.optim.Optimizer:
+    """The optimizer of ``optim.name`` over ``params``: torch AdamW (bitsandbytes AdamW8bit with
+    ``optim.use_8bit_adam``) or plain SGD, whose step is linear in the gradients."""
+    if opt.name == "sgd":
+        return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    if opt.use_8bit_adam:
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ConfigError("config key 'optim.use_8bit_adam' needs bitsandbytes (pip install 'diffalign[gpu]')") from None
+        optim_cls = bnb.optim.AdamW8bit
+    else:
+        optim_cls = torch.optim.AdamW
+    return optim_cls(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+
+
 class Trainer:
     """Base trainer; subclasses implement :meth:`iteration`. See the module docstring."""
 
@@ -314,16 +330,7 @@ class Trainer:
         self.trainable = [p for p in denoiser.parameters() if p.requires_grad]
         if not self.trainable:
             raise ConfigError("config key 'lora' leaves no trainable parameters")
-        opt = cfg.optim
-        if opt.use_8bit_adam:
-            try:
-                import bitsandbytes as bnb
-            except ImportError:
-                raise ConfigError("config key 'optim.use_8bit_adam' needs bitsandbytes (pip install 'diffalign[gpu]')") from None
-            optim_cls = bnb.optim.AdamW8bit
-        else:
-            optim_cls = torch.optim.AdamW
-        self.optimizer = optim_cls(self.trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+        self.optimizer = make_optimizer(self.trainable, cfg.optim)
         self._ds_engine = None
         stage = distributed.zero_stage(cfg, self.accelerator)
         if stage:

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from diffalign.config import FlowGRPOConfig, RunConfig, apply_overrides, dump_config, load_config
 from diffalign.errors import ConfigError
@@ -49,11 +50,38 @@ def test_unknown_keys_are_named(tmp_path, text, key):
         ("lora.enabled=maybe", "lora.enabled"),
         ("sampling.window_size=20", "sampling.window_size"),
         ("algorithm.clip_range=2", "algorithm.clip_range"),
+        ("optim.name=adam", "optim.name"),
+        ("optim.momentum=1", "optim.momentum"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(write(tmp_path, ""), [override])
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["optim.momentum=0.9"], "optim.momentum"),  # AdamW has no momentum knob
+        (["optim.name=sgd", "optim.use_8bit_adam=true"], "optim.use_8bit_adam"),
+    ],
+)
+def test_optimizer_settings_that_do_not_combine(tmp_path, overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
+        load_config(write(tmp_path, ""), overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_optim_name_picks_the_optimizer():
+    from diffalign.trainer import make_optimizer
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    assert RunConfig().optim.name == "adamw"
+    assert type(make_optimizer(params, RunConfig().optim)) is torch.optim.AdamW
+    sgd = make_optimizer(params, load_config(None, ["optim.name=sgd", "optim.momentum=0.5", "optim.lr=0.1"]).optim)
+    assert type(sgd) is torch.optim.SGD
+    assert sgd.defaults["momentum"] == 0.5 and sgd.defaults["lr"] == pytest.approx(0.1)
+    assert sgd.defaults["weight_decay"] == pytest.approx(1e-4)
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -1,0 +1,41 @@
+"""The weights of two runs compared in units of their update (how far they moved from the same
+initial weights), as the multi-process, ZeRO and FSDP tests compare them.
+
+Those tests train with ``COMPARABLE``, under which two correct runs differ by rounding only:
+- plain SGD: its step is linear in the gradients, so the rounding differences of another summation
+  order across processes stay rounding-sized in the weights. AdamW divides every gradient element
+  by its running RMS: an element whose gradient is rounding noise (a LoRA A element while B is
+  still near zero) takes a step of the order of the learning rate in a direction the noise picks,
+  so two correct runs may end lr apart on it, on any CPU;
+- a reward continuous in the images (brightness): a JPEG size jumps by a byte where rounding moves
+  a pixel across a quantisation step, and advantages normalised by a small group spread turn that
+  byte into differences of percents."""
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+# momentum: an optimizer state that checkpoints must carry
+COMPARABLE = ["optim.name=sgd", "optim.momentum=0.9", "reward.name=brightness", "reward.kwargs={}"]
+LORA = "final/pytorch_lora_weights.safetensors"
+
+
+def weights(run_dir: Path, name: str = LORA) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / name))
+
+
+def update_size(initial: dict, final: dict) -> float:
+    """The largest change of any weight element from ``initial`` to ``final``."""
+    return max(float((final[k].float() - initial[k].float()).abs().max()) for k in initial)
+
+
+def assert_same_update(initial: dict, a: dict, b: dict, rel: float, min_update: float) -> None:
+    """Runs ``a`` and ``b`` (state dicts) that started at ``initial`` moved by at least
+    ``min_update`` and end at most ``rel`` times the larger of their updates apart (largest element
+    difference)."""
+    assert initial.keys() == a.keys() == b.keys()
+    update = max(update_size(initial, a), update_size(initial, b))
+    assert update >= min_update, f"the weights moved by {update:.3g} only: no real update to compare"
+    gap = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert gap <= rel * update, f"the runs end {gap:.3g} apart: {gap / update:.3g} of the update {update:.3g} (> {rel:g})"
