@@ -24,8 +24,8 @@ def run_cli(repo_root, *args):
 @pytest.mark.slow
 def test_main_config_one_iteration(repo_root, tmp_path, capsys):
     out = tmp_path / "main"
-    code = run_cli(repo_root, "train", MAIN, f"output_dir={out}", "max_iterations=1", "eval.num_prompts=8",
-                   "eval.samples_per_prompt=1", "sampling.eval_num_steps=4", "log.progress_bar=false")
+    code = run_cli(repo_root, "train", MAIN, f"output_dir={out}", "max_iterations=1", "eval.images_per_family=2",
+                   "sampling.eval_num_steps=4", "log.progress_bar=false")
     assert code == 0
     printed = capsys.readouterr().out
     assert f"report: {out}/report.md" in printed
@@ -35,9 +35,18 @@ def test_main_config_one_iteration(repo_root, tmp_path, capsys):
     assert len(train) == 1 and len(evals) == 2  # before and after
     assert 0.0 <= train[0]["reward_mean"] <= 1.0
     assert "eval/acc/overall" in evals[0] and any(k.startswith("reward/acc/") for k in train[0])
+    for e in evals:  # 2 images in each of the 6 families; probe: colors + color_attr
+        assert e["eval/num_images"] == 12 and e["eval/probe/num_images"] == 4
+        assert e["eval/acc/overall_lo"] <= e["eval/acc/overall"] <= e["eval/acc/overall_hi"]
+        assert "eval/probe/acc/overall" in e and "eval/partial" in e
+    saved = json.loads((out / "eval_records" / "iter-000001.json").read_text())
+    assert len(saved["heldout"]["records"]) == 12 and len(saved["probe"]["records"]) == 4
+    assert set(saved["heldout"]["records"][0]) == {"prompt", "family", "passed", "score"}
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
     report = (out / "report.md").read_text()
     assert "acc/overall" in report and "samples/eval-iter-000000.png" in report
+    assert "| paired difference |" in report and "Generalisation probe" in report
+    assert "acc/single_object (in-distribution)" in report
     assert (out / "samples" / "eval-iter-000001.png").is_file()
 
 
