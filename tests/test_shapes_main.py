@@ -58,16 +58,47 @@ def test_format_table_aligns_columns():
     assert "-" in lines[1].split()
 
 
-def test_eval_command_prints_a_table(repo_root, capsys):
-    code = run_cli(repo_root, "eval", "--base", "tiny:shapes", "--num-prompts", "4", "--samples-per-prompt", "1", "--steps", "2")
+def test_eval_command_prints_a_table_with_intervals(repo_root, capsys):
+    code = run_cli(repo_root, "eval", "--base", "tiny:shapes", "--images-per-family", "1", "--steps", "2")
     assert code == 0
-    out = capsys.readouterr().out
-    assert "acc/overall" in out and "base" in out.splitlines()[0]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("held-out evaluation") and "6 images" in out[0]
+    assert out[1].split() == ["base"]
+    overall = next(line for line in out if line.startswith("acc/overall"))
+    assert "[" in overall and "]" in overall
+    assert any(line.startswith("acc/two_object (in-distribution)") for line in out)
 
 
-def test_eval_command_bad_run_dir(repo_root, capsys):
-    assert run_cli(repo_root, "eval", "--no-base", "no/such/run") == 2
-    assert "no/such/run" in capsys.readouterr().err
+def test_eval_command_paired_difference_against_the_base(repo_root, tmp_path, capsys):
+    from diffalign.config import load_config
+    from diffalign.recipes import build_trainer
+
+    run = tmp_path / "same"  # a run with no update: its difference against the base is exactly 0
+    cfg = load_config(repo_root / MAIN, [f"output_dir={run}", "model.id=tiny:shapes", "max_iterations=0", "eval.at_start=false",
+                                         "eval.images_per_family=1", "sampling.eval_num_steps=2", "log.progress_bar=false",
+                                         "log.report=false"])
+    build_trainer(cfg).train()
+    capsys.readouterr()
+    code = run_cli(repo_root, "eval", str(run), "--base", "tiny:shapes", "--prompts", "probe", "--images-per-family", "2",
+                   "--steps", "2")
+    assert code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("generalisation probe") and "4 images" in out[0]
+    assert out[1].split() == ["base", "same", "same", "-", "base"]
+    overall = next(line for line in out if line.startswith("acc/overall"))
+    assert overall.rstrip().endswith("+0.000 [+0.000, +0.000]")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-base", "no/such/run"], "no/such/run"),
+    (["--prompts", "nonsense"], "--prompts: 'nonsense' is neither heldout/probe/train nor a prompt file"),
+    (["--samples-per-prompt", "2"], "--samples-per-prompt is for other rewards"),
+    (["--images-per-family", "0"], "--images-per-family must be >= 1"),
+])
+def test_eval_command_bad_input_is_one_line(repo_root, capsys, args, message):
+    assert run_cli(repo_root, "eval", "--base", "tiny:shapes", *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
 def test_balanced_family_sampling(tmp_path):
