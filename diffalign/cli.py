@@ -55,36 +55,82 @@ def _cmd_config(args) -> int:
 
 def _cmd_eval(args) -> int:
     from diffalign.adapters import load_adapter
-    from diffalign.evaluation import evaluate_adapter, format_table
     from diffalign.export import load_trained_adapter
 
-    prompts = _eval_prompts(args)
-    kwargs = dict(reward=args.reward, num_steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
-                  samples_per_prompt=args.samples_per_prompt)
-    columns = {}
+    prompts, what = _eval_prompt_set(args)
     models = [] if args.no_base else [("base", lambda: load_adapter(args.base))]
     for run in args.runs:
         if not Path(run).exists():
             raise DiffalignError(f"run directory {run!r} does not exist")
         models.append((Path(run).name, lambda run=run: load_trained_adapter(run)))
+    if not models:
+        raise DiffalignError("nothing to evaluate: give run directories or drop --no-base")
+    if args.reward == "shapes_eval":
+        return _eval_shapes(args, prompts, what, models)
+    from diffalign.evaluation import evaluate_adapter, format_table
+
+    samples = args.samples_per_prompt or 1
+    kwargs = dict(reward=args.reward, num_steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
+                  samples_per_prompt=samples, batch_size=args.batch_size)
+    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    columns = {}
     for name, build in models:
-        print(f"evaluating {name} on {len(prompts)} prompts x {args.samples_per_prompt} ...", file=sys.stderr, flush=True)
+        print(f"evaluating {name} on {len(prompts)} prompts x {samples} ...", file=sys.stderr, flush=True)
         columns[name] = evaluate_adapter(build(), prompts, **kwargs)
     print(format_table(columns))
     return 0
 
 
-def _eval_prompts(args) -> list[str]:
-    if args.prompts in ("heldout", "train"):
+def _eval_shapes(args, prompts: list[str], what: str, models) -> int:
+    """ShapesEval with intervals: images_per_family images per family, paired differences vs base."""
+    from diffalign.evaluation import LEGEND, comparison_columns, evaluate_shapes, format_table
+
+    if args.samples_per_prompt is not None:
+        raise DiffalignError("--samples-per-prompt is for other rewards; ShapesEval evaluates --images-per-family images per family")
+    if args.images_per_family < 1:
+        raise DiffalignError(f"--images-per-family must be >= 1, got {args.images_per_family}")
+    kwargs = dict(images_per_family=args.images_per_family, num_steps=args.steps, guidance_scale=args.guidance_scale,
+                  seed=args.seed, batch_size=args.batch_size, limit=args.num_prompts)
+    evaluations = {}
+    for name, build in models:
+        print(f"evaluating {name} on {what}, {args.images_per_family} images per family ...", file=sys.stderr, flush=True)
+        ev = evaluate_shapes(build(), prompts, **kwargs)
+        print(f"  {ev.meta['num_images']} images in {ev.seconds:.0f} s", file=sys.stderr, flush=True)
+        evaluations[name] = ev
+    base = "base" if "base" in evaluations else None
+    ev = next(iter(evaluations.values()))
+    print(f"{what}: {ev.meta['num_images']} images, {args.steps} ODE steps, CFG {args.guidance_scale:g}, seed {args.seed}")
+    print(format_table(comparison_columns(evaluations, base)))
+    print(LEGEND)
+    return 0
+
+
+EVAL_PROMPT_SETS = {
+    "heldout": "held-out evaluation (held-out prompts + in-distribution families)",
+    "probe": "generalisation probe (colour-shape pairs never trained)",
+    "train": "training prompts",
+}
+
+
+def _eval_prompt_set(args) -> tuple[list[str], str]:
+    """(distinct prompts, description) for --prompts."""
+    if args.prompts in EVAL_PROMPT_SETS:
         from diffalign.shapes import split_prompts
 
         split = split_prompts()
-        prompts = split.evaluation() if args.prompts == "heldout" else split.train
-    else:
-        f = Path(args.prompts)
-        if not f.is_file():
-            raise DiffalignError(f"--prompts: {args.prompts!r} is neither heldout/train nor a prompt file")
-        prompts = [line.strip() for line in f.read_text().splitlines() if line.strip()]
+        prompts = {"heldout": split.evaluation, "probe": lambda: split.probe, "train": lambda: split.train}[args.prompts]()
+        return list(prompts), EVAL_PROMPT_SETS[args.prompts]
+    f = Path(args.prompts)
+    if not f.is_file():
+        raise DiffalignError(f"--prompts: {args.prompts!r} is neither {'/'.join(EVAL_PROMPT_SETS)} nor a prompt file")
+    prompts = [line.strip() for line in f.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise DiffalignError(f"--prompts: prompt file {args.prompts!r} is empty")
+    return prompts, f"prompts of {f.name}"
+
+
+def _eval_prompts(args) -> list[str]:
+    prompts, _ = _eval_prompt_set(args)
     return prompts[: args.num_prompts] if args.num_prompts else prompts
 
 
@@ -182,17 +228,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*")
     p.set_defaults(fn=_cmd_config)
 
-    p = sub.add_parser("eval", help="held-out accuracy per family for the base model and run directories")
+    p = sub.add_parser("eval", help="held-out accuracy per family with 95 %% intervals for the base model and run "
+                                    "directories, and each run's paired difference against the base")
     p.add_argument("runs", nargs="*", help="run directories to compare with the base model")
     p.add_argument("--base", default="shapes", help="base model id (default: the shipped shapes model)")
-    p.add_argument("--no-base", action="store_true", help="skip the base model column")
-    p.add_argument("--prompts", default="heldout", help="heldout | train | a file with one prompt per line")
-    p.add_argument("--num-prompts", type=int, default=0, help="first N prompts only (0 = all)")
-    p.add_argument("--samples-per-prompt", type=int, default=2)
+    p.add_argument("--no-base", action="store_true", help="skip the base model column (and the paired differences)")
+    p.add_argument("--prompts", default="heldout",
+                   help="heldout (the headline evaluation) | probe (the generalisation probe) | train | a file with one prompt per line")
+    p.add_argument("--images-per-family", type=int, default=96, help="ShapesEval: images per GenEval family (default 96)")
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="first N entries only (ShapesEval: images of the evaluation list; 0 = all): a quick check, not the headline")
+    p.add_argument("--samples-per-prompt", type=int, default=None, help="other rewards: images per prompt (default 1)")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--guidance-scale", type=float, default=4.5)
+    p.add_argument("--guidance-scale", type=float, default=4.0, help="CFG scale (default 4.0, the shipped model's)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--reward", default="shapes_eval")
+    p.add_argument("--batch-size", type=int, default=64, help="images sampled per batch")
+    p.add_argument("--reward", default="shapes_eval",
+                   help="shapes_eval (intervals and paired differences) or any reward (mean and its summary only)")
     p.set_defaults(fn=_cmd_eval)
 
     p = sub.add_parser("export", help="a Hub-ready folder (weights, model card, sample grids) from a finished run")
@@ -231,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="sample images: plain (ODE) or step-wise (k SDE branches per step, the best under a DRM kept)")
     p.add_argument("--model", default="shapes", help="model id or a run directory (its final/ weights)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); else --prompts")
-    p.add_argument("--prompts", default="heldout", help="heldout | train | a file with one prompt per line")
+    p.add_argument("--prompts", default="heldout", help="heldout | probe | train | a file with one prompt per line")
     p.add_argument("--num-prompts", type=int, default=8, help="first N prompts only (0 = all)")
     p.add_argument("--samples-per-prompt", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)

@@ -218,12 +218,21 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = 0  # evaluate every N iterations (0 = only before training and at the end)
-    num_prompts: int = 0  # 0 = all eval prompts
-    samples_per_prompt: int = 1
+    num_prompts: int = 0  # 0 = all; N = the first N eval prompts (shapes: first N images of the eval list), a quick check
+    images_per_family: int = 96  # prompts.source=shapes: images per GenEval family (prompts repeated round-robin)
+    samples_per_prompt: int = 1  # prompts.source=list/file: images per eval prompt (shapes: images_per_family)
+    probe: bool = True  # prompts.source=shapes: also evaluate the generalisation probe, before and after training
     batch_size: int = 16
     seed: int = 1234  # eval noise seed: before/after samples share it
     at_start: bool = True  # evaluate the base model before the first update
     use_ema: bool = True  # evaluate (and export as final/) the EMA weights when EMA is enabled
+
+    def validate(self) -> None:
+        _check(self.every >= 0, "eval.every", "must be >= 0")
+        _check(self.num_prompts >= 0, "eval.num_prompts", "must be >= 0 (0 = all)")
+        _check(self.images_per_family >= 1, "eval.images_per_family", "must be >= 1")
+        _check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
+        _check(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
 
 
 @dataclass

@@ -1,13 +1,133 @@
-"""Held-out evaluation of a base model and trained runs, as a per-family table."""
+"""Evaluation of a base model and trained runs: per-family tables with intervals and paired differences.
+
+Two entry points:
+
+- :func:`evaluate_shapes` — the ShapesWorld evaluation. It samples a list built by
+  :func:`diffalign.shapes.evaluation_prompts` (``images_per_family`` images per family, prompts
+  repeated round-robin) with one fixed seed, scores every image with ShapesEval and returns an
+  :class:`Evaluation`: the per-image records, every metric with its stratified bootstrap
+  interval over prompts (:mod:`diffalign.stats`), and :meth:`Evaluation.compare` for the paired
+  difference against another model evaluated on the same list and seed.
+- :func:`evaluate_adapter` — any reward, mean and the reward's own summary, no intervals.
+
+:func:`format_table` prints either kind of result as an aligned text table.
+"""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
 
 import reward_models
+from diffalign import stats
 from diffalign.sampling import sample_images
+from diffalign.stats import Difference, Interval
+
+#: bootstrap settings of every evaluation table (see diffalign.stats)
+BOOTSTRAP = {"resamples": stats.DEFAULT_RESAMPLES, "seed": stats.DEFAULT_SEED, "level": stats.DEFAULT_LEVEL}
+
+LEGEND = (f"value [lo, hi]: {100 * BOOTSTRAP['level']:g} % stratified bootstrap interval over prompts "
+          f"({BOOTSTRAP['resamples']} resamples; prompts drawn within each family, each prompt's images kept together). "
+          "Differences are paired (same prompts and seeds, the same resamples for both models); * = 0 lies outside "
+          "the interval (outside noise). acc/overall = mean of the family accuracies (GenEval's overall), "
+          "acc/images = per-image pass rate, partial = mean partial credit.")
+
+
+def shapes_records(images: torch.Tensor, prompts: Sequence[str]) -> list[dict]:
+    """Per-image ShapesEval records: ``prompt``, ``family``, ``passed`` (bool) and ``score``
+    (partial credit, the fraction of the prompt's requirements met; 0 when a gate fails)."""
+    from reward_models.shapes_eval import ShapesEval
+
+    return [{"prompt": r["prompt"], "family": r["family"], "passed": bool(r["passed"]), "score": float(r["score"])}
+            for r in ShapesEval().evaluate(images, list(prompts))]
+
+
+@dataclass
+class Evaluation:
+    """One model's evaluation: per-image records and every metric with its interval."""
+
+    records: list[dict]
+    intervals: dict[str, Interval]
+    seconds: float = 0.0
+    meta: dict = field(default_factory=dict)  # how the images were made (steps, CFG, seed, ...)
+
+    @classmethod
+    def from_records(cls, records: Sequence[Mapping], *, seconds: float = 0.0, meta: dict | None = None,
+                     **bootstrap) -> "Evaluation":
+        records = [dict(r) for r in records]
+        return cls(records, stats.bootstrap_intervals(records, **{**BOOTSTRAP, **bootstrap}), seconds, dict(meta or {}))
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Point estimates: ``acc/<family>``, ``acc/overall``, ``acc/images``, ``partial``."""
+        return {k: v.value for k, v in self.intervals.items()}
+
+    def compare(self, base: "Evaluation", **bootstrap) -> dict[str, Difference]:
+        """``self - base`` for every metric, with the paired bootstrap interval (both must be
+        evaluated on the same prompt list and seed)."""
+        return stats.paired_difference(base.records, self.records, **{**BOOTSTRAP, **bootstrap})
+
+    def to_json(self) -> dict:
+        return {"meta": self.meta, "seconds": self.seconds, "records": self.records,
+                "intervals": {k: v.to_dict() for k, v in self.intervals.items()}}
+
+
+def interval_record(intervals: Mapping[str, Interval], prefix: str = "eval/") -> dict[str, float]:
+    """Flat metrics-log keys: ``{prefix}{metric}`` (the point estimate) and ``{prefix}{metric}_lo`` /
+    ``_hi`` (the interval)."""
+    out: dict[str, float] = {}
+    for k, iv in intervals.items():
+        out[f"{prefix}{k}"] = iv.value
+        out[f"{prefix}{k}_lo"], out[f"{prefix}{k}_hi"] = iv.lo, iv.hi
+    return out
+
+
+def is_bound_key(key: str) -> bool:
+    """Whether a metrics-log key is an interval bound written by :func:`interval_record`."""
+    return key.endswith(("_lo", "_hi"))
+
+
+def evaluate_shapes(
+    adapter,
+    prompts: Sequence[str],
+    *,
+    images_per_family: int | None = 96,
+    num_steps: int = 20,
+    guidance_scale: float = 4.0,
+    resolution: int | None = None,
+    seed: int = 1234,
+    batch_size: int = 64,
+    limit: int = 0,
+    **bootstrap,
+) -> Evaluation:
+    """Sample ShapesWorld prompts with a fixed seed, score each image with ShapesEval and bootstrap.
+
+    ``prompts``: distinct prompts (e.g. ``split_prompts().evaluation()`` for the headline
+    evaluation, ``split_prompts().probe`` for the generalisation probe), expanded by
+    :func:`~diffalign.shapes.evaluation_prompts` to ``images_per_family`` images per family; with
+    ``images_per_family=None`` the list is sampled as given (one image per entry). ``limit`` > 0
+    keeps only the first ``limit`` images (a quick check, not a comparable evaluation). Two
+    models evaluated with the same arguments see the same noise image by image, so
+    :meth:`Evaluation.compare` can pair them. ``bootstrap``: ``resamples``, ``seed``, ``level``
+    of :mod:`diffalign.stats`."""
+    from diffalign.shapes import evaluation_prompts
+
+    items = evaluation_prompts(prompts, images_per_family) if images_per_family is not None else list(prompts)
+    if limit:
+        items = items[:limit]
+    if not items:
+        raise ValueError("no prompts to evaluate")
+    resolution = resolution or adapter.default_resolution
+    t0 = time.perf_counter()
+    images = sample_images(adapter, items, num_steps=num_steps, guidance_scale=guidance_scale, resolution=resolution,
+                           seed=seed, batch_size=batch_size)
+    records = shapes_records(images, items)
+    meta = {"num_images": len(items), "images_per_family": images_per_family, "num_steps": num_steps,
+            "guidance_scale": guidance_scale, "resolution": resolution, "seed": seed, "batch_size": batch_size}
+    return Evaluation.from_records(records, seconds=time.perf_counter() - t0, meta=meta, **bootstrap)
 
 
 def evaluate_adapter(
@@ -24,7 +144,8 @@ def evaluate_adapter(
     batch_size: int = 32,
     extra_rewards: Mapping[str, tuple[str, dict]] | None = None,
 ) -> dict[str, float]:
-    """Sample every prompt ``samples_per_prompt`` times with a fixed seed and score it.
+    """Sample every prompt ``samples_per_prompt`` times with a fixed seed and score it (any reward;
+    no intervals: :func:`evaluate_shapes` is the ShapesWorld evaluation with them).
 
     Returns ``{"reward_mean": ..., **reward.last_info}`` (for ShapesEval: ``acc/<family>``
     and ``acc/overall``), plus ``{label: mean}`` for every ``label: (reward, kwargs)`` of
@@ -45,20 +166,67 @@ def evaluate_adapter(
     return out
 
 
-def format_table(columns: dict[str, dict[str, float]]) -> str:
-    """Rows = metrics (union of keys), columns = models. Plain text, aligned."""
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+
+_LAST = ("acc/images", "partial", "reward_mean", "acc/overall")
+
+
+def metric_order(keys: Sequence[str]) -> list[str]:
+    """Rows of a table: family accuracies in :data:`~diffalign.shapes.FAMILIES` order, other keys
+    alphabetically, then ``acc/images``, ``partial``, ``reward_mean`` and ``acc/overall`` last."""
+    from diffalign.shapes import FAMILIES
+
+    fams = [f"acc/{f}" for f in FAMILIES]
+    return ([k for k in fams if k in keys] + sorted(k for k in keys if k not in fams and k not in _LAST)
+            + [k for k in _LAST if k in keys])
+
+
+def metric_label(key: str) -> str:
+    """The row label of a metric: families of :data:`~diffalign.shapes.IN_DISTRIBUTION_FAMILIES`
+    (every prompt of them trains; evaluated on fresh seeds) are marked ``(in-distribution)``."""
+    from diffalign.shapes import IN_DISTRIBUTION_FAMILIES
+
+    if key.startswith("acc/") and key[4:] in IN_DISTRIBUTION_FAMILIES:
+        return f"{key} (in-distribution)"
+    return key
+
+
+def format_cell(value) -> str:
+    """``0.500`` (a number), ``0.198 [0.158, 0.243]`` (an Interval), ``+0.030 [+0.003, +0.061] *``
+    (a paired Difference outside noise), ``-`` (missing)."""
+    if value is None:
+        return "-"
+    if isinstance(value, Interval):
+        return value.format()
+    return f"{float(value):.3f}"
+
+
+def format_table(columns: Mapping[str, Mapping[str, float | Interval]]) -> str:
+    """Rows = metrics (union of keys, :func:`metric_order`), columns = models (or paired
+    differences), in the given order. Cells: see :func:`format_cell`. Plain text, aligned."""
     keys: list[str] = []
     for col in columns.values():
         keys += [k for k in col if k not in keys]
-    keys.sort(key=lambda k: (k == "acc/overall", k == "reward_mean", k))
+    keys = metric_order(keys)
     names = list(columns)
-    width = max([len(k) for k in keys] + [6])
-    colw = [max(len(n), 8) for n in names]
+    cells = {n: [format_cell(columns[n].get(k)) for k in keys] for n in names}
+    labels = [metric_label(k) for k in keys]
+    width = max([len(x) for x in labels] + [6])
+    colw = [max([len(n), 8] + [len(c) for c in cells[n]]) for n in names]
     lines = [" " * width + "  " + "  ".join(n.rjust(w) for n, w in zip(names, colw))]
-    for k in keys:
-        cells = []
-        for n, w in zip(names, colw):
-            v = columns[n].get(k)
-            cells.append(("-" if v is None else f"{v:.3f}").rjust(w))
-        lines.append(k.ljust(width) + "  " + "  ".join(cells))
+    for i, label in enumerate(labels):
+        lines.append(label.ljust(width) + "  " + "  ".join(cells[n][i].rjust(w) for n, w in zip(names, colw)))
     return "\n".join(lines)
+
+
+def comparison_columns(evaluations: Mapping[str, Evaluation], base: str | None = None) -> dict[str, dict]:
+    """Table columns for :func:`format_table`: each evaluation's intervals, and after every
+    non-base one its paired difference against ``base`` (column ``"<name> - <base>"``)."""
+    columns: dict[str, dict] = {}
+    for name, ev in evaluations.items():
+        columns[name] = ev.intervals
+        if base is not None and name != base:
+            columns[f"{name} - {base}"] = ev.compare(evaluations[base])
+    return columns

@@ -27,7 +27,7 @@ CARD_HPARAMS = (
 )
 # Pipelines that are not part of diffusers: where their class is imported from.
 NON_DIFFUSERS_PIPELINES = {"ShapesPipeline": "diffalign.shapes.pipeline"}
-EVAL_SKIP = ("eval/seconds", "eval/num_images")
+EVAL_SKIP = ("eval/seconds", "eval/num_images", "eval/probe/num_images")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -88,20 +88,28 @@ def loading_snippet(meta: dict, fmt: str, where: str, *, pipeline_class: Optiona
     return "\n".join(lines)
 
 
+def _eval_cell(record: dict, key: str) -> str:
+    """``0.1980`` or, where the record holds its bootstrap interval, ``0.1980 [0.1580, 0.2430]``."""
+    lo, hi = record.get(f"{key}_lo"), record.get(f"{key}_hi")
+    bounds = f" [{lo:.4f}, {hi:.4f}]" if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) else ""
+    return f"{record[key]:.4f}{bounds}"
+
+
 def _eval_table(evals: list[dict]) -> list[str]:
     if not evals:
         return ["No evaluation was logged."]
     first, last = evals[0], evals[-1]
     before = first if first is not last and first["iteration"] == 0 else None
-    keys = [k for k in last if k.startswith("eval/") and k not in EVAL_SKIP and isinstance(last[k], (int, float))]
+    keys = [k for k in last if k.startswith("eval/") and k not in EVAL_SKIP and not k.endswith(("_lo", "_hi"))
+            and isinstance(last[k], (int, float))]
     if before is None:
-        rows = ["| metric | value |", "|---|---:|"] + [f"| {k[5:]} | {last[k]:.4f} |" for k in keys]
+        rows = ["| metric | value |", "|---|---:|"] + [f"| {k[5:]} | {_eval_cell(last, k)} |" for k in keys]
         return [f"Held-out evaluation at iteration {last['iteration']} ({last.get('eval/num_images', '?')} images):", ""] + rows
     rows = ["| metric | before (base) | after | change |", "|---|---:|---:|---:|"]
     for k in keys:
         a, b = before.get(k), last[k]
         if isinstance(a, (int, float)):
-            rows.append(f"| {k[5:]} | {a:.4f} | {b:.4f} | {b - a:+.4f} |")
+            rows.append(f"| {k[5:]} | {_eval_cell(before, k)} | {_eval_cell(last, k)} | {b - a:+.4f} |")
     return [f"Held-out evaluation, iteration 0 vs {last['iteration']} (same prompts and seed, "
             f"{last.get('eval/num_images', '?')} images):", ""] + rows
 

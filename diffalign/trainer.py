@@ -172,6 +172,22 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
     return train, read(p.eval_file, "prompts.eval_file") if p.eval_file else train
 
 
+def resolve_probe_prompts(cfg: RunConfig) -> list[str]:
+    """The generalisation probe's prompts (``split_prompts().probe``, restricted to
+    ``prompts.families`` when set) for ``prompts.source: shapes`` with ``eval.probe``; else []."""
+    if cfg.prompts.source != "shapes" or not cfg.eval.probe:
+        return []
+    from diffalign.shapes import prompt_family, split_prompts
+
+    probe = split_prompts().probe
+    return [x for x in probe if prompt_family(x) in cfg.prompts.families] if cfg.prompts.families else list(probe)
+
+
+def eval_records_path(run_dir: Path, iteration: int) -> Path:
+    """Where the trainer keeps one evaluation's per-image records (``eval_records/iter-N.json``)."""
+    return Path(run_dir) / "eval_records" / f"iter-{iteration:06d}.json"
+
+
 def image_grid(images: torch.Tensor, nrow: int) -> np.ndarray:
     """(N, 3, H, W) in [0, 1] -> uint8 (rows*H + pad, nrow*W + pad, 3) grid with 1px gaps."""
     n, _, h, w = images.shape
@@ -257,6 +273,7 @@ class Trainer:
         cfg = self.cfg
         # Validate everything that needs no model before touching the run directory.
         self.train_prompts, self.eval_prompts = resolve_prompts(cfg)
+        self.probe_prompts = resolve_probe_prompts(cfg)
         self.reward_fn = reward_models.build(cfg.reward.name, device="cpu", **cfg.reward.kwargs)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.mixed_precision = cfg.train.resolved_mixed_precision(device)
@@ -570,35 +587,75 @@ class Trainer:
         return contextlib.nullcontext()
 
     # ---- evaluation -------------------------------------------------------------------------
-    def evaluate(self, iteration: int, *, save_grid: bool = True) -> dict:
-        """Sample the eval prompts with fixed seeds (ODE) and score them; main process only."""
+    def evaluate(self, iteration: int, *, save_grid: bool = True, probe: bool = False) -> dict:
+        """Sample the eval prompts with fixed seeds (ODE) and score them; main process only.
+        ``probe``: also evaluate the generalisation probe (before and after training only)."""
         if self.sharded:  # sharded forwards: every process samples the same images
-            record = self._evaluate(iteration, save_grid=save_grid)
+            record = self._evaluate(iteration, save_grid=save_grid, probe=probe)
             self.accelerator.wait_for_everyone()
             return record if self.accelerator.is_main_process else {}
         if not self.accelerator.is_main_process:
             self.accelerator.wait_for_everyone()
             return {}
-        record = self._evaluate(iteration, save_grid=save_grid)
+        record = self._evaluate(iteration, save_grid=save_grid, probe=probe)
         if self.accelerator.num_processes > 1:
             self.accelerator.wait_for_everyone()
         return record
 
-    def _evaluate(self, iteration: int, *, save_grid: bool = True) -> dict:
+    def eval_items(self, prompts: Sequence[str]) -> list[str]:
+        """The list of images to sample for ``prompts`` (one entry per image). ShapesWorld prompts:
+        ``eval.images_per_family`` per family (:func:`diffalign.shapes.evaluation_prompts`), cut to
+        the first ``eval.num_prompts`` entries when set; other sources: the first
+        ``eval.num_prompts`` prompts, each ``eval.samples_per_prompt`` times."""
         cfg = self.cfg.eval
-        prompts = self.eval_prompts[: cfg.num_prompts] if cfg.num_prompts else list(self.eval_prompts)
-        prompts = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
-        t0 = time.perf_counter()
+        if self.cfg.prompts.source == "shapes":
+            from diffalign.shapes import evaluation_prompts
+
+            items = evaluation_prompts(prompts, cfg.images_per_family)
+            return items[: cfg.num_prompts] if cfg.num_prompts else items
+        prompts = list(prompts[: cfg.num_prompts]) if cfg.num_prompts else list(prompts)
+        return [p for p in prompts for _ in range(cfg.samples_per_prompt)]
+
+    def _sample_eval(self, items: Sequence[str]) -> torch.Tensor:
+        cfg = self.cfg.eval
         self.adapter.denoiser.eval()
         with self.eval_weights():
             with self.autocast():
-                images = sample_images(self.adapter, prompts, num_steps=self.cfg.sampling.eval_num_steps,
-                                       guidance_scale=self.cfg.sampling.guidance_scale, resolution=self.resolution,
-                                       seed=cfg.seed, batch_size=cfg.batch_size)
+                return sample_images(self.adapter, list(items), num_steps=self.cfg.sampling.eval_num_steps,
+                                     guidance_scale=self.cfg.sampling.guidance_scale, resolution=self.resolution,
+                                     seed=cfg.seed, batch_size=cfg.batch_size)
+
+    def _evaluate(self, iteration: int, *, save_grid: bool = True, probe: bool = False) -> dict:
+        from diffalign.evaluation import Evaluation, interval_record, shapes_records
+
+        cfg = self.cfg.eval
+        prompts = self.eval_items(self.eval_prompts)
+        t0 = time.perf_counter()
+        images = self._sample_eval(prompts)
         rewards, info = self.score(images, prompts)
         record = {"iteration": iteration, "eval": True, "eval/reward_mean": float(rewards[torch.isfinite(rewards)].mean()),
-                  "eval/num_images": len(prompts), "eval/seconds": time.perf_counter() - t0}
+                  "eval/num_images": len(prompts)}
         record.update({f"eval/{k}": v for k, v in info.items()})
+        if self.cfg.prompts.source == "shapes":
+            # Per-image ShapesEval records whatever the training reward: intervals, paired differences.
+            meta = {"num_steps": self.cfg.sampling.eval_num_steps, "guidance_scale": self.cfg.sampling.guidance_scale,
+                    "resolution": self.resolution, "seed": cfg.seed, "batch_size": cfg.batch_size,
+                    "images_per_family": cfg.images_per_family, "num_prompts": cfg.num_prompts}
+            heldout = Evaluation.from_records(shapes_records(images, prompts), meta={**meta, "num_images": len(prompts)})
+            record.update(interval_record(heldout.intervals, "eval/"))
+            saved = {"iteration": iteration, "heldout": heldout.to_json()}
+            if probe and self.probe_prompts:
+                items = self.eval_items(self.probe_prompts)
+                probe_eval = Evaluation.from_records(shapes_records(self._sample_eval(items), items),
+                                                     meta={**meta, "num_images": len(items)})
+                record.update(interval_record(probe_eval.intervals, "eval/probe/"))
+                record["eval/probe/num_images"] = len(items)
+                saved["probe"] = probe_eval.to_json()
+            if self.accelerator.is_main_process:
+                path = eval_records_path(self.run_dir, iteration)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                runs.atomic_write_text(path, json.dumps(saved))
+        record["eval/seconds"] = time.perf_counter() - t0
         if save_grid and self.accelerator.is_main_process:
             n = min(len(images), 64)
             save_png(image_grid(images[:n], nrow=8), self.run_dir / "samples" / f"eval-iter-{iteration:06d}.png", scale=2)
@@ -748,10 +805,13 @@ class Trainer:
         self.setup()
         self.print_header()
         cfg = self.cfg
+        if cfg.prompts.source == "shapes" and cfg.eval.samples_per_prompt != 1:
+            self.log(f"  note: eval.samples_per_prompt={cfg.eval.samples_per_prompt} does not apply to ShapesWorld prompts; "
+                     f"the evaluation samples eval.images_per_family={cfg.eval.images_per_family} images per family")
         last_eval: dict = {}
         try:
             if self.start_iteration == 0 and cfg.eval.at_start:
-                last_eval = self.evaluate(0)
+                last_eval = self.evaluate(0, probe=True)
                 self.write_metrics(last_eval)
                 self.log("  eval before training: " + _fmt_eval(last_eval))
             bar = tqdm(range(self.start_iteration, cfg.max_iterations), initial=self.start_iteration, total=cfg.max_iterations,
@@ -772,7 +832,7 @@ class Trainer:
             final_iteration = max(cfg.max_iterations, self.start_iteration)
             if self._saved_iteration != final_iteration:  # decided in memory: every process takes the same branch
                 self.save_checkpoint(final_iteration)
-            last_eval = self.evaluate(final_iteration)
+            last_eval = self.evaluate(final_iteration, probe=True)
             self.write_metrics(last_eval)
             self.log("  eval after training: " + _fmt_eval(last_eval))
             self.save_final(final_iteration)
@@ -798,5 +858,15 @@ class _Done:
 
 
 def _fmt_eval(record: dict) -> str:
-    keys = [k for k in record if k.startswith("eval/") and k not in ("eval/seconds", "eval/num_images")]
-    return ", ".join(f"{k[5:]} {record[k]:.3f}" for k in keys if isinstance(record[k], (int, float)))
+    """``reward_mean 0.412, acc/overall 0.198 [0.158, 0.243], ...`` (probe metrics last)."""
+    from diffalign.evaluation import is_bound_key
+
+    skip = ("eval/seconds", "eval/num_images", "eval/probe/num_images")
+    keys = [k for k in record if k.startswith("eval/") and k not in skip and not is_bound_key(k)
+            and isinstance(record[k], (int, float))]
+    keys.sort(key=lambda k: k.startswith("eval/probe/"))
+    parts = []
+    for k in keys:
+        lo, hi = record.get(f"{k}_lo"), record.get(f"{k}_hi")
+        parts.append(f"{k[5:]} {record[k]:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else ""))
+    return ", ".join(parts)

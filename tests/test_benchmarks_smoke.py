@@ -41,3 +41,21 @@ def test_spo_vs_dpo_benchmark_smoke(repo_root, tmp_path):
         assert set(st["curve"][-1][1]) == {"acc", "per_image", "partial"}
     assert set(results["base"]) == {"acc", "per_image", "partial"}
     assert (tmp_path / "results.json").is_file() and (tmp_path / "accuracy_vs_wallclock.png").is_file()
+
+
+@pytest.mark.slow
+def test_shapes_alignment_benchmark_smoke(repo_root, tmp_path, capsys):
+    """benchmarks/shapes_alignment.py on the tiny shapes model: one training iteration, then the
+    headline table with intervals and the paired difference, and the probe before/after."""
+    spec = importlib.util.spec_from_file_location("benchmarks_shapes_alignment", repo_root / "benchmarks" / "shapes_alignment.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    summary = module.main(["--run-dir", str(tmp_path / "run"), "--images-per-family", "1", "--steps", "2", "--batch-size", "8",
+                           "model.id=tiny:shapes", "max_iterations=1", "rollout.prompts_per_iteration=2", "rollout.group_size=2",
+                           "sampling.eval_num_steps=2", "eval.images_per_family=1", "log.progress_bar=false", "log.report=false"])
+    out = capsys.readouterr().out
+    assert "flow_grpo - base" in out and "acc/single_object (in-distribution)" in out and "generalisation probe" in out
+    assert set(summary["heldout"]["difference"]) >= {"acc/overall", "acc/images", "partial"}
+    assert summary["heldout"]["models"]["base"]["meta"]["num_images"] == 6
+    assert summary["probe"]["models"]["flow_grpo"]["meta"]["num_images"] == 2  # colors + color_attr
+    assert (tmp_path / "run" / "benchmark.json").is_file()

@@ -52,6 +52,8 @@ def test_unknown_keys_are_named(tmp_path, text, key):
         ("algorithm.clip_range=2", "algorithm.clip_range"),
         ("optim.name=adam", "optim.name"),
         ("optim.momentum=1", "optim.momentum"),
+        ("eval.images_per_family=0", "eval.images_per_family"),
+        ("eval.probe=sometimes", "eval.probe"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, override, key):
@@ -121,3 +123,11 @@ def test_every_shipped_config_loads(repo_root):
         if f.parent.name == "accelerate":
             continue
         load_config(f)
+
+
+def test_bad_images_per_family_is_one_line_naming_the_key(tmp_path, capsys):
+    from diffalign.cli import main
+
+    assert main(["config", str(write(tmp_path, "")), "eval.images_per_family=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: config key 'eval.images_per_family' must be >= 1"]

@@ -24,8 +24,8 @@ def run_cli(repo_root, *args):
 @pytest.mark.slow
 def test_main_config_one_iteration(repo_root, tmp_path, capsys):
     out = tmp_path / "main"
-    code = run_cli(repo_root, "train", MAIN, f"output_dir={out}", "max_iterations=1", "eval.num_prompts=8",
-                   "eval.samples_per_prompt=1", "sampling.eval_num_steps=4", "log.progress_bar=false")
+    code = run_cli(repo_root, "train", MAIN, f"output_dir={out}", "max_iterations=1", "eval.images_per_family=2",
+                   "sampling.eval_num_steps=4", "log.progress_bar=false")
     assert code == 0
     printed = capsys.readouterr().out
     assert f"report: {out}/report.md" in printed
@@ -35,9 +35,18 @@ def test_main_config_one_iteration(repo_root, tmp_path, capsys):
     assert len(train) == 1 and len(evals) == 2  # before and after
     assert 0.0 <= train[0]["reward_mean"] <= 1.0
     assert "eval/acc/overall" in evals[0] and any(k.startswith("reward/acc/") for k in train[0])
+    for e in evals:  # 2 images in each of the 6 families; probe: colors + color_attr
+        assert e["eval/num_images"] == 12 and e["eval/probe/num_images"] == 4
+        assert e["eval/acc/overall_lo"] <= e["eval/acc/overall"] <= e["eval/acc/overall_hi"]
+        assert "eval/probe/acc/overall" in e and "eval/partial" in e
+    saved = json.loads((out / "eval_records" / "iter-000001.json").read_text())
+    assert len(saved["heldout"]["records"]) == 12 and len(saved["probe"]["records"]) == 4
+    assert set(saved["heldout"]["records"][0]) == {"prompt", "family", "passed", "score"}
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
     report = (out / "report.md").read_text()
     assert "acc/overall" in report and "samples/eval-iter-000000.png" in report
+    assert "| paired difference |" in report and "Generalisation probe" in report
+    assert "acc/single_object (in-distribution)" in report
     assert (out / "samples" / "eval-iter-000001.png").is_file()
 
 
@@ -49,16 +58,47 @@ def test_format_table_aligns_columns():
     assert "-" in lines[1].split()
 
 
-def test_eval_command_prints_a_table(repo_root, capsys):
-    code = run_cli(repo_root, "eval", "--base", "tiny:shapes", "--num-prompts", "4", "--samples-per-prompt", "1", "--steps", "2")
+def test_eval_command_prints_a_table_with_intervals(repo_root, capsys):
+    code = run_cli(repo_root, "eval", "--base", "tiny:shapes", "--images-per-family", "1", "--steps", "2")
     assert code == 0
-    out = capsys.readouterr().out
-    assert "acc/overall" in out and "base" in out.splitlines()[0]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("held-out evaluation") and "6 images" in out[0]
+    assert out[1].split() == ["base"]
+    overall = next(line for line in out if line.startswith("acc/overall"))
+    assert "[" in overall and "]" in overall
+    assert any(line.startswith("acc/two_object (in-distribution)") for line in out)
 
 
-def test_eval_command_bad_run_dir(repo_root, capsys):
-    assert run_cli(repo_root, "eval", "--no-base", "no/such/run") == 2
-    assert "no/such/run" in capsys.readouterr().err
+def test_eval_command_paired_difference_against_the_base(repo_root, tmp_path, capsys):
+    from diffalign.config import load_config
+    from diffalign.recipes import build_trainer
+
+    run = tmp_path / "same"  # a run with no update: its difference against the base is exactly 0
+    cfg = load_config(repo_root / MAIN, [f"output_dir={run}", "model.id=tiny:shapes", "max_iterations=0", "eval.at_start=false",
+                                         "eval.images_per_family=1", "sampling.eval_num_steps=2", "log.progress_bar=false",
+                                         "log.report=false"])
+    build_trainer(cfg).train()
+    capsys.readouterr()
+    code = run_cli(repo_root, "eval", str(run), "--base", "tiny:shapes", "--prompts", "probe", "--images-per-family", "2",
+                   "--steps", "2")
+    assert code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("generalisation probe") and "4 images" in out[0]
+    assert out[1].split() == ["base", "same", "same", "-", "base"]
+    overall = next(line for line in out if line.startswith("acc/overall"))
+    assert overall.rstrip().endswith("+0.000 [+0.000, +0.000]")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-base", "no/such/run"], "no/such/run"),
+    (["--prompts", "nonsense"], "--prompts: 'nonsense' is neither heldout/probe/train nor a prompt file"),
+    (["--samples-per-prompt", "2"], "--samples-per-prompt is for other rewards"),
+    (["--images-per-family", "0"], "--images-per-family must be >= 1"),
+])
+def test_eval_command_bad_input_is_one_line(repo_root, capsys, args, message):
+    assert run_cli(repo_root, "eval", "--base", "tiny:shapes", *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
 def test_balanced_family_sampling(tmp_path):
