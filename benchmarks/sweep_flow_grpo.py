@@ -41,7 +41,7 @@ def run_variant(config: str, name: str, overrides: list[str], out: Path, iterati
 
     run_dir = out / "runs" / name
     cfg = load_config(config, [*overrides, *extra, f"output_dir={run_dir}", f"max_iterations={iterations}",
-                               "prompts.evaluate_on=validation", "eval.at_start=true", "eval.every=0",
+                               "prompts.evaluate_on=validation", "eval.probe=false", "eval.at_start=true", "eval.every=0",
                                "checkpoint.every=0", "log.report=false", "log.progress_bar=false"])
     t0 = time.perf_counter()
     build_trainer(cfg, overwrite=True).train()

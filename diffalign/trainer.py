@@ -174,8 +174,9 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
 
 def resolve_probe_prompts(cfg: RunConfig) -> list[str]:
     """The generalisation probe's prompts (``split_prompts().probe``, restricted to
-    ``prompts.families`` when set) for ``prompts.source: shapes`` with ``eval.probe``; else []."""
-    if cfg.prompts.source != "shapes" or not cfg.eval.probe:
+    ``prompts.families`` when set) for ``prompts.source: shapes`` with ``eval.probe``; else [] (also
+    when tuning on validation prompts: the probe informs no choice)."""
+    if cfg.prompts.source != "shapes" or not cfg.eval.probe or cfg.prompts.evaluate_on == "validation":
         return []
     from diffalign.shapes import prompt_family, split_prompts
 
