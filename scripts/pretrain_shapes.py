@@ -42,29 +42,29 @@ except ImportError:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="diffalign/assets/shapes-t2i", help="save_pretrained folder")
-    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (the shipped model's budget)")
+    p.add_argument("--steps", type=int, default=5500, help="optimizer steps (the shipped model's budget)")
     p.add_argument("--minutes", type=float, default=None, help="also stop after this much wall time")
     p.add_argument("--until", type=int, default=None,
                    help="stop at this step (state saved; the schedule still spans --steps): a planned interruption")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
     p.add_argument("--warmup", type=int, default=100, help="linear warmup steps, then constant")
-    p.add_argument("--decay-steps", type=int, default=0,
+    p.add_argument("--decay-steps", type=int, default=2500,
                    help="the last N of --steps decay the rate linearly to --final-lr-fraction of --lr")
     p.add_argument("--final-lr-fraction", type=float, default=0.1)
-    p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
+    p.add_argument("--mixed-precision", choices=("no", "bf16"), default="bf16",
                    help="bf16 autocast for the forward (loss and optimizer in fp32); about 1.5x on CPUs with avx512_bf16/AMX")
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--ema-decay", type=float, default=0.995, help="EMA of weights that gets saved (0: off)")
+    p.add_argument("--ema-decay", type=float, default=0.999, help="EMA of weights that gets saved (0: off)")
     p.add_argument("--uncond-prob", type=float, default=0.1, help="share of empty prompts (for CFG)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a tiny architecture (for tests), not the shipped one")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--state-dir", default=None,
                    help="keep the exact training state here (weights, EMA, Adam moments, schedule, RNGs), "
                         "rewritten atomically every --ckpt-every steps and at the end")
-    p.add_argument("--ckpt-every", type=int, default=250, help="save the state (and quick-eval) every N steps")
+    p.add_argument("--ckpt-every", type=int, default=500, help="save the state (and quick-eval) every N steps")
     p.add_argument("--resume", action="store_true", help="continue exactly from the state in --state-dir")
     p.add_argument("--export-only", action="store_true",
                    help="with --resume: write --out from the state's EMA weights (and evaluate it) without training")

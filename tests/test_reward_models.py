@@ -6,7 +6,7 @@ reference preprocessing (transformers' CLIPImageProcessor, open_clip's ``preproc
 images already at the model's input size, so that no resampling separates the two paths.
 
 The open_clip tests skip when open_clip cannot be imported (it needs a torchvision that matches
-torch; see docs/environment.md).
+torch; scripts/setup_rewards_env.sh builds such an environment).
 """
 
 from __future__ import annotations
