@@ -69,3 +69,23 @@ def test_export_only_writes_the_state_without_training(pretrain, tmp_path):
     ema = load_file(str(state / "ema.safetensors"))
     first = next(iter(exported.unet.parameters()))
     torch.testing.assert_close(first.float(), ema["0"].half().float())  # the EMA weights, stored in fp16
+
+
+def test_committed_state_is_complete_and_is_the_shipped_model(pretrain, repo_root):
+    """scripts/pretrain_state/shapes-t2i holds the exact state the shipped model was saved from:
+    every group, each file under 20 MB, and its EMA weights are the shipped UNet (stored in fp16)."""
+    state = repo_root / "scripts" / "pretrain_state" / "shapes-t2i"
+    info = json.loads((state / "state.json").read_text())
+    assert info["step"] == pretrain.parse_args([]).steps
+    for name in (*pretrain.STATE_GROUPS, "rng"):
+        f = state / f"{name}.safetensors"
+        assert f.is_file() and f.stat().st_size < 20 * 2**20, f
+    ema = load_file(str(state / "ema.safetensors"))
+    unet = load_file(str(repo_root / "diffalign" / "assets" / "shapes-t2i" / "unet" / "diffusion_pytorch_model.safetensors"))
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    pipe = ShapesPipeline.from_pretrained(str(repo_root / "diffalign" / "assets" / "shapes-t2i"))
+    names = [n for n, _ in pipe.unet.named_parameters()]
+    assert len(ema) == len(names) + sum(1 for _ in pipe.text_encoder.parameters())
+    for i, name in enumerate(names):  # parameters are saved UNet first, in named_parameters order
+        assert torch.equal(unet[name], ema[str(i)].half()), name
