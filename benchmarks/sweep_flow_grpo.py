@@ -29,6 +29,10 @@ VARIANTS: dict[str, list[str]] = {
     "lr1e-3_clip1e-2": ["optim.lr=1e-3", "algorithm.clip_range=0.01"],
     "lr1e-3_kl0.01": ["optim.lr=1e-3", "algorithm.beta=0.01"],
     "lr3e-3_clip1e-2": ["optim.lr=3e-3", "algorithm.clip_range=0.01"],
+    # on mean-reduced log-probs |log ratio| stays near 1e-4 per update: only a clip range of that
+    # order (the Flow-GRPO reference's 1e-4) binds
+    "lr1e-3_clip1e-4": ["optim.lr=1e-3", "algorithm.clip_range=1e-4"],
+    "lr3e-3_clip1e-4": ["optim.lr=3e-3", "algorithm.clip_range=1e-4"],
     "group16x4": ["rollout.group_size=16", "rollout.prompts_per_iteration=4"],
     "steps4": ["train.optimizer_steps_per_iteration=4"],
 }
