@@ -22,7 +22,7 @@ def test_sweep_runs_each_variant_once_and_resumes(repo_root, tmp_path, capsys):
     args = ["--iterations", "1", "--variants", "shipped,lr1e-3", "--out", str(tmp_path), *TINY]
     assert sweep.main(args) == 0
     first = capsys.readouterr().out
-    assert "best:" in first and first.count("(as shipped)") == 1
+    assert "best:" in first and first.count("- shipped: (as shipped)") == 1
     piece = json.loads((tmp_path / "lr1e-3.json").read_text())
     assert piece["overrides"] == ["optim.lr=1e-3"] and piece["iterations"] == 1
     assert set(piece["after"]) == set(sweep.METRICS)
