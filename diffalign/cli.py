@@ -65,13 +65,33 @@ def _cmd_eval(args) -> int:
         models.append((Path(run).name, lambda run=run: load_trained_adapter(run)))
     if not models:
         raise DiffalignError("nothing to evaluate: give run directories or drop --no-base")
+    args.autocast_dtype = _eval_autocast_dtype(args.mixed_precision)
     if args.reward == "shapes_eval":
         return _eval_shapes(args, prompts, what, models)
+    return _eval_other(args, prompts, models)
+
+
+def _eval_autocast_dtype(mixed_precision: str):
+    """The denoiser's autocast dtype for evaluation: ``auto`` is bf16 where the CPU computes it
+    natively (as a run with ``train.mixed_precision: auto`` evaluates, so the numbers match its
+    report), ``no`` is fp32 throughout. Step kernels and scoring stay fp32 either way."""
+    import torch
+
+    from diffalign.config import native_bf16
+
+    if mixed_precision not in ("auto", "bf16", "no"):
+        raise DiffalignError(f"--mixed-precision must be auto, bf16 or no, got {mixed_precision!r}")
+    use_bf16 = mixed_precision == "bf16" or (mixed_precision == "auto" and native_bf16("cpu"))
+    return torch.bfloat16 if use_bf16 else None
+
+
+def _eval_other(args, prompts: list[str], models) -> int:
+    """Any reward other than ShapesEval: the mean per model, no intervals."""
     from diffalign.evaluation import evaluate_adapter, format_table
 
     samples = args.samples_per_prompt or 1
     kwargs = dict(reward=args.reward, num_steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
-                  samples_per_prompt=samples, batch_size=args.batch_size)
+                  samples_per_prompt=samples, batch_size=args.batch_size, autocast_dtype=args.autocast_dtype)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     columns = {}
     for name, build in models:
@@ -90,7 +110,7 @@ def _eval_shapes(args, prompts: list[str], what: str, models) -> int:
     if args.images_per_family < 1:
         raise DiffalignError(f"--images-per-family must be >= 1, got {args.images_per_family}")
     kwargs = dict(images_per_family=args.images_per_family, num_steps=args.steps, guidance_scale=args.guidance_scale,
-                  seed=args.seed, batch_size=args.batch_size, limit=args.num_prompts)
+                  seed=args.seed, batch_size=args.batch_size, limit=args.num_prompts, autocast_dtype=args.autocast_dtype)
     evaluations = {}
     for name, build in models:
         print(f"evaluating {name} on {what}, {args.images_per_family} images per family ...", file=sys.stderr, flush=True)
@@ -99,7 +119,8 @@ def _eval_shapes(args, prompts: list[str], what: str, models) -> int:
         evaluations[name] = ev
     base = "base" if "base" in evaluations else None
     ev = next(iter(evaluations.values()))
-    print(f"{what}: {ev.meta['num_images']} images, {args.steps} ODE steps, CFG {args.guidance_scale:g}, seed {args.seed}")
+    print(f"{what}: {ev.meta['num_images']} images, {args.steps} ODE steps, CFG {args.guidance_scale:g}, seed {args.seed}, "
+          f"{ev.meta['precision']} forwards")
     print(format_table(comparison_columns(evaluations, base)))
     print(LEGEND)
     return 0
@@ -245,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64, help="images sampled per batch")
     p.add_argument("--reward", default="shapes_eval",
                    help="shapes_eval (intervals and paired differences) or any reward (mean and its summary only)")
+    p.add_argument("--mixed-precision", default="auto",
+                   help="auto (bf16 autocast where the CPU has AVX512-BF16 or AMX, as train.mixed_precision: auto; "
+                        "the default) | bf16 | no (fp32)")
     p.set_defaults(fn=_cmd_eval)
 
     p = sub.add_parser("export", help="a Hub-ready folder (weights, model card, sample grids) from a finished run")

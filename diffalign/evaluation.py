@@ -15,6 +15,7 @@ Two entry points:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -90,6 +91,10 @@ def is_bound_key(key: str) -> bool:
     return key.endswith(("_lo", "_hi"))
 
 
+def _autocast(dtype: torch.dtype | None, device_type: str):
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def evaluate_shapes(
     adapter,
     prompts: Sequence[str],
@@ -101,6 +106,7 @@ def evaluate_shapes(
     seed: int = 1234,
     batch_size: int = 64,
     limit: int = 0,
+    autocast_dtype: torch.dtype | None = None,
     **bootstrap,
 ) -> Evaluation:
     """Sample ShapesWorld prompts with a fixed seed, score each image with ShapesEval and bootstrap.
@@ -111,8 +117,10 @@ def evaluate_shapes(
     ``images_per_family=None`` the list is sampled as given (one image per entry). ``limit`` > 0
     keeps only the first ``limit`` images (a quick check, not a comparable evaluation). Two
     models evaluated with the same arguments see the same noise image by image, so
-    :meth:`Evaluation.compare` can pair them. ``bootstrap``: ``resamples``, ``seed``, ``level``
-    of :mod:`diffalign.stats`."""
+    :meth:`Evaluation.compare` can pair them. ``autocast_dtype`` (e.g. ``torch.bfloat16``): the
+    denoiser's forwards under autocast, as a run with ``train.mixed_precision`` evaluates (step
+    kernels and scoring stay fp32). ``bootstrap``: ``resamples``, ``seed``, ``level`` of
+    :mod:`diffalign.stats`."""
     from diffalign.shapes import evaluation_prompts
 
     items = evaluation_prompts(prompts, images_per_family) if images_per_family is not None else list(prompts)
@@ -122,11 +130,13 @@ def evaluate_shapes(
         raise ValueError("no prompts to evaluate")
     resolution = resolution or adapter.default_resolution
     t0 = time.perf_counter()
-    images = sample_images(adapter, items, num_steps=num_steps, guidance_scale=guidance_scale, resolution=resolution,
-                           seed=seed, batch_size=batch_size)
+    with _autocast(autocast_dtype, torch.device(adapter.device).type):
+        images = sample_images(adapter, items, num_steps=num_steps, guidance_scale=guidance_scale, resolution=resolution,
+                               seed=seed, batch_size=batch_size)
     records = shapes_records(images, items)
     meta = {"num_images": len(items), "images_per_family": images_per_family, "num_steps": num_steps,
-            "guidance_scale": guidance_scale, "resolution": resolution, "seed": seed, "batch_size": batch_size}
+            "guidance_scale": guidance_scale, "resolution": resolution, "seed": seed, "batch_size": batch_size,
+            "precision": str(autocast_dtype).removeprefix("torch.") if autocast_dtype else "float32"}
     return Evaluation.from_records(records, seconds=time.perf_counter() - t0, meta=meta, **bootstrap)
 
 
@@ -143,6 +153,7 @@ def evaluate_adapter(
     samples_per_prompt: int = 1,
     batch_size: int = 32,
     extra_rewards: Mapping[str, tuple[str, dict]] | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Sample every prompt ``samples_per_prompt`` times with a fixed seed and score it (any reward;
     no intervals: :func:`evaluate_shapes` is the ShapesWorld evaluation with them).
@@ -154,8 +165,9 @@ def evaluate_adapter(
     extra = {label: (name, reward_models.build(name, device=str(adapter.device), **(kw or {})))
              for label, (name, kw) in (extra_rewards or {}).items()}
     all_prompts = [p for p in prompts for _ in range(samples_per_prompt)]
-    images = sample_images(adapter, all_prompts, num_steps=num_steps, guidance_scale=guidance_scale,
-                           resolution=resolution or adapter.default_resolution, seed=seed, batch_size=batch_size)
+    with _autocast(autocast_dtype, torch.device(adapter.device).type):
+        images = sample_images(adapter, all_prompts, num_steps=num_steps, guidance_scale=guidance_scale,
+                               resolution=resolution or adapter.default_resolution, seed=seed, batch_size=batch_size)
     metadata = [{} for _ in all_prompts]
     scores = reward_models.check_reward_output(reward, fn(images, all_prompts, metadata), len(all_prompts))
     out = {"reward_mean": float(scores[torch.isfinite(scores)].mean())}

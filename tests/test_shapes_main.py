@@ -69,6 +69,16 @@ def test_eval_command_prints_a_table_with_intervals(repo_root, capsys):
     assert any(line.startswith("acc/two_object (in-distribution)") for line in out)
 
 
+def test_eval_command_precision(repo_root, capsys):
+    """--mixed-precision no runs the denoiser in fp32, bf16 under autocast; both are named in the header."""
+    for flag, name in (("no", "float32"), ("bf16", "bfloat16")):
+        code = run_cli(repo_root, "eval", "--base", "tiny:shapes", "--images-per-family", "1", "--steps", "2",
+                       "--mixed-precision", flag)
+        assert code == 0
+        header = capsys.readouterr().out.splitlines()[0]
+        assert header.endswith(f"{name} forwards"), header
+
+
 def test_eval_command_paired_difference_against_the_base(repo_root, tmp_path, capsys):
     from diffalign.config import load_config
     from diffalign.recipes import build_trainer
@@ -94,6 +104,7 @@ def test_eval_command_paired_difference_against_the_base(repo_root, tmp_path, ca
     (["--prompts", "nonsense"], "--prompts: 'nonsense' is neither heldout/probe/train nor a prompt file"),
     (["--samples-per-prompt", "2"], "--samples-per-prompt is for other rewards"),
     (["--images-per-family", "0"], "--images-per-family must be >= 1"),
+    (["--mixed-precision", "fp8"], "--mixed-precision must be auto, bf16 or no, got 'fp8'"),
 ])
 def test_eval_command_bad_input_is_one_line(repo_root, capsys, args, message):
     assert run_cli(repo_root, "eval", "--base", "tiny:shapes", *args) == 2
