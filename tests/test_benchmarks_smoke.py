@@ -59,3 +59,29 @@ def test_shapes_alignment_benchmark_smoke(repo_root, tmp_path, capsys):
     assert summary["heldout"]["models"]["base"]["meta"]["num_images"] == 6
     assert summary["probe"]["models"]["flow_grpo"]["meta"]["num_images"] == 2  # colors + color_attr
     assert (tmp_path / "run" / "benchmark.json").is_file()
+
+
+def _load_rollout_vs_pipeline(repo_root):
+    spec = importlib.util.spec_from_file_location("benchmarks_rollout_vs_pipeline", repo_root / "benchmarks" / "rollout_vs_pipeline.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rollout_vs_pipeline_runs_the_same_forwards(repo_root, capsys):
+    bench = _load_rollout_vs_pipeline(repo_root)
+    assert bench.main(["--families", "sd3,flux,sd15", "--size", "tiny", "--images", "2", "--steps", "2", "--repeats", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["sd3"], ["flux"], ["sd15"])]
+    assert [r[0] for r in rows] == ["sd3", "flux", "sd15"]
+    assert all(r[2] == "2" for r in rows)  # 2 steps = 2 forwards on both sides (checked by the hook)
+    assert "worst wall ratio" in out
+
+
+def test_rollout_vs_pipeline_stops_on_different_forwards(repo_root):
+    bench = _load_rollout_vs_pipeline(repo_root)
+    sides = bench.Sides("sd3", bench.build_adapter("sd3", "tiny"), images=2, steps=2, guidance=4.5, resolution=32)
+    sides.pipeline_kwargs = lambda original=sides.pipeline_kwargs: {**original(), "num_inference_steps": 3}
+    with pytest.raises(SystemExit, match="different forwards"):
+        bench.measure(sides, repeats=1)
