@@ -85,3 +85,25 @@ def test_rollout_vs_pipeline_stops_on_different_forwards(repo_root):
     sides.pipeline_kwargs = lambda original=sides.pipeline_kwargs: {**original(), "num_inference_steps": 3}
     with pytest.raises(SystemExit, match="different forwards"):
         bench.measure(sides, repeats=1)
+
+
+@pytest.mark.slow
+def test_scaling_benchmark_fits_and_resumes(repo_root, tmp_path, capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("benchmarks_scaling", repo_root / "benchmarks" / "scaling.py")
+    scaling = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = scaling
+    spec.loader.exec_module(scaling)
+    assert scaling.fit_exponent([1, 2, 4], [3, 6, 12]) == pytest.approx(1.0)
+    assert scaling.fit_exponent([32, 64, 128], [1, 4, 16]) == pytest.approx(2.0)
+    monkeypatch.setitem(scaling.AXES, "images", [4, 8])  # two points: each is a child process
+    args = ["--models", "sd3", "--size", "tiny", "--axes", "images", "--iterations", "1", "--threads", "1", "--out", str(tmp_path)]
+    assert scaling.main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("sd3")]
+    assert [r[2] for r in rows] == ["4", "8"] and "k_time" in out
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+    pieces = sorted(p.name for p in (tmp_path / "sd3").iterdir())
+    assert len(pieces) == 2
+    assert scaling.main(args) == 0  # resumes: every point is read back, none rerun
+    assert "- sd3" in capsys.readouterr().out and sorted(p.name for p in (tmp_path / "sd3").iterdir()) == pieces
