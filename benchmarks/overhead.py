@@ -197,7 +197,8 @@ class RawIteration:
         sigmas = trainer.adapter.make_schedule(cfg.sampling.num_steps, res, res)  # (T+1,) flow sigmas, 1 -> 0
         self.sigmas = sigmas.tolist()
         n_train = trainer.adapter.pipeline.scheduler.config.num_train_timesteps  # the transformer takes sigma * 1000
-        self.timesteps = [torch.full((self.n * (2 if self.use_cfg else 1),), s * n_train) for s in self.sigmas]
+        self.device = trainer.adapter.device
+        self.timesteps = [torch.full((self.n * (2 if self.use_cfg else 1),), s * n_train, device=self.device) for s in self.sigmas]
         prompts = [p for p in PROMPTS[: cfg.rollout.prompts_per_iteration] for _ in range(cfg.rollout.group_size)]
         embeds = trainer.adapter.encode_prompts(prompts, with_uncond=self.use_cfg)
         self.embeds = embeds
@@ -233,7 +234,7 @@ class RawIteration:
             for start in range(0, self.n, cfg.rollout.sample_batch_size):
                 rows = slice(start, min(start + cfg.rollout.sample_batch_size, self.n))
                 hidden, pooled = self._cond(rows)
-                x = torch.randn(rows.stop - rows.start, *self.latent_shape, generator=self.generator)
+                x = torch.randn(rows.stop - rows.start, *self.latent_shape, generator=self.generator).to(self.device)
                 states = [x]
                 for i in range(num_steps):
                     x = x + (self.sigmas[i + 1] - self.sigmas[i]) * self._velocity(x, i, hidden, pooled)
@@ -311,6 +312,8 @@ def _run_block(fn, start: int, iterations: int, log: ForwardLog, side: Side | No
     for i in range(start, start + iterations):
         w0, c0 = time.perf_counter(), time.process_time()
         fn(i)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # GPU work is asynchronous: count it in the iteration that queued it
         wall += time.perf_counter() - w0
         cpu += time.process_time() - c0
         calls.append(log.take())
@@ -333,7 +336,7 @@ def _check_same_forwards(toolkit: list, raw: list) -> None:
 def _time_forward(raw: RawIteration, repeats: int = 5) -> float:
     bs = min(raw.cfg.rollout.sample_batch_size, raw.n)
     hidden, pooled = raw._cond(slice(0, bs))
-    x = torch.randn(bs, *raw.latent_shape)
+    x = torch.randn(bs, *raw.latent_shape).to(raw.device)
     raw.denoiser.eval()
     times = []
     with torch.no_grad():

@@ -151,6 +151,8 @@ class Sides:
 def timed(fn) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # GPU work is asynchronous
     return time.perf_counter() - wall, time.process_time() - cpu
 
 

@@ -5,9 +5,11 @@ shipped model and, for benchmarks/gpu/, an H100/H200.
 """
 
 import importlib.util
+import json
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -57,3 +59,15 @@ def test_gpu_benchmark_cpu_smoke(repo_root, tmp_path):
     assert rows["peft"]["img_per_s"] > 0 and rows["bf16"]["status"] == "native"
     assert rows["fp8"]["status"] in ("emulated", "skipped")
     assert (tmp_path / "result.json").is_file()
+
+
+def test_gpu_bundle_smoke_runs_every_section_on_cpu(repo_root, tmp_path):
+    bundle = _load(repo_root, "benchmarks/gpu/run_all.py", "bench_gpu_run_all")
+    result = bundle.main(["--smoke", "--out", str(tmp_path / "run_all.json")])
+    sections = result["sections"]
+    assert set(sections) == {"sol_rl_stage1", "rollout_vs_pipeline", "overhead", "attention"}
+    assert all(s["status"] == "ok" for s in sections.values()), {k: s.get("error") for k, s in sections.items()}
+    assert sections["rollout_vs_pipeline"]["ratio"] > 0 and sections["overhead"]["ratio"] > 0
+    assert sections["attention"]["sdpa_ms"] > 0
+    written = json.loads((tmp_path / "run_all.json").read_text())
+    assert written["machine"]["torch"] == torch.__version__ and written["total_seconds"] > 0
