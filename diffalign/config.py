@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from diffalign.errors import ConfigError
+from diffalign.algorithms.grpo_guard import GuardOptions
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -258,7 +259,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class FlowGRPOConfig(AlgorithmConfig):
+class FlowGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard (docs/grpo_guard.md)
     name: str = "flow_grpo"
     advantage_std: Literal["global", "group"] = "global"  # std over the whole batch (paper) or per prompt group
     advantage_clip: float = 5.0  # A clipped to +- this
@@ -275,6 +276,7 @@ class FlowGRPOConfig(AlgorithmConfig):
         _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
         _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
         _check(0 < self.train_timestep_fraction <= 1, "algorithm.train_timestep_fraction", "must be in (0, 1]")
+        self.validate_guard()
 
 
 ALGORITHM_CONFIGS: dict[str, type[AlgorithmConfig]] = {"flow_grpo": FlowGRPOConfig}
