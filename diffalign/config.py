@@ -327,6 +327,7 @@ class RunConfig:
         sde_steps = self.sampling.window_size or self.sampling.num_steps
         frac = getattr(self.algorithm, "train_timestep_fraction", 1.0)
         trained = max(1, int(sde_steps * frac + 1e-9)) if frac < 1 else sde_steps
+        trained = getattr(self.algorithm, "trained_steps_per_sample", None) or trained  # a recipe that draws its own noise levels (awm)
         micro = math.ceil(per_proc / self.train.batch_size) * trained * self.train.inner_epochs
         return {
             "images_per_iteration": per_proc * num_processes,

@@ -155,3 +155,16 @@ def test_sol_rl_flow_grpo_path_takes_the_guard_keys(tmp_path):
     rec = _records(out)[0]
     keys = [k for k in rec if k.startswith("guard/norm_ratio_mean/")]
     assert keys and all(math.isfinite(rec[k]) for k in keys)
+
+
+@pytest.mark.parametrize("config", ["configs/tiny/stepwise_flow_grpo_sd3.yaml", "configs/tiny/branch_grpo_sd3.yaml"])
+def test_the_family_takes_the_guard_keys(tmp_path, config):
+    # Stepwise-Flow-GRPO (and DRM Step-GRPO, through the same transition update) and BranchGRPO:
+    # no rollout noise is kept, so "auto" normalises with the micro-batch estimate per step.
+    out = tmp_path / "run"
+    assert run_cli("train", config, f"output_dir={out}", "max_iterations=1", "algorithm.guard_ratio_norm=true",
+                   "algorithm.guard_step_reweight=true", "algorithm.guard_diagnostics=true", *FAST) == 0
+    rec = _records(out)[0]
+    means = [k for k in rec if k.startswith("guard/norm_ratio_mean/step_")]
+    assert means and all(math.isfinite(rec[k]) for k in means)
+    assert all(rec[k.replace("norm_ratio", "ratio")] == pytest.approx(1.0, abs=1e-3) for k in means if rec["optimizer_steps"] == 1)

@@ -85,3 +85,17 @@ def make_guard(trainer, opts, timesteps: torch.Tensor, candidates: torch.Tensor,
     if not getattr(opts, "guard_active", False):
         return None
     return StepGuard(trainer, opts, timesteps, candidates, **kwargs)
+
+
+def steps_of(schedule: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """(B,) denoising-step index of each noise level ``t`` (B,): its nearest entry of ``schedule[:-1]``."""
+    table = schedule[:-1].double().cpu()
+    return (t.detach().double().cpu().reshape(-1, 1) - table.reshape(1, -1)).abs().argmin(dim=1)
+
+
+def select_step(step, keep: torch.Tensor):
+    """The rows ``keep`` of a kernel step (``log_prob``, ``mean``, ``std``; a shared std stays shared)."""
+    from types import SimpleNamespace
+
+    std = step.std[keep] if step.std.ndim and step.std.shape[0] == step.log_prob.shape[0] else step.std
+    return SimpleNamespace(log_prob=step.log_prob[keep], mean=step.mean[keep], std=std)

@@ -61,6 +61,10 @@ class AWMConfig(AlgorithmConfig):
 
     old_decay_flat: int = 0
 
+    @property
+    def trained_steps_per_sample(self) -> int:  # the run header's count
+        return self.train_timesteps
+
     def validate(self, prefix: str = "algorithm") -> None:
         _check(self.weighting in WEIGHTINGS, f"{prefix}.weighting", f"must be one of {', '.join(WEIGHTINGS)}")
         _check(self.ghuber_power > 0, f"{prefix}.ghuber_power", "must be > 0")
