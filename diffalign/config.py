@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from diffalign.errors import ConfigError
+from diffalign.algorithms.grpo_guard import GuardOptions
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -258,7 +259,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class FlowGRPOConfig(AlgorithmConfig):
+class FlowGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard (docs/grpo_guard.md)
     name: str = "flow_grpo"
     advantage_std: Literal["global", "group"] = "global"  # std over the whole batch (paper) or per prompt group
     advantage_clip: float = 5.0  # A clipped to +- this
@@ -275,6 +276,7 @@ class FlowGRPOConfig(AlgorithmConfig):
         _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
         _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
         _check(0 < self.train_timestep_fraction <= 1, "algorithm.train_timestep_fraction", "must be in (0, 1]")
+        self.validate_guard()
 
 
 ALGORITHM_CONFIGS: dict[str, type[AlgorithmConfig]] = {"flow_grpo": FlowGRPOConfig}
@@ -325,6 +327,7 @@ class RunConfig:
         sde_steps = self.sampling.window_size or self.sampling.num_steps
         frac = getattr(self.algorithm, "train_timestep_fraction", 1.0)
         trained = max(1, int(sde_steps * frac + 1e-9)) if frac < 1 else sde_steps
+        trained = getattr(self.algorithm, "trained_steps_per_sample", None) or trained  # a recipe that draws its own noise levels (awm)
         micro = math.ceil(per_proc / self.train.batch_size) * trained * self.train.inner_epochs
         return {
             "images_per_iteration": per_proc * num_processes,

@@ -20,6 +20,7 @@ _RECIPES: dict[str, str] = {
     "spo": "diffalign.recipes.spo:SPOTrainer",
     "diffusion_dpo": "diffalign.recipes.diffusion_dpo:DiffusionDPOTrainer",
     "branch_grpo": "diffalign.recipes.branch_grpo:BranchGRPOTrainer",
+    "awm": "diffalign.recipes.awm:AWMTrainer",
 }
 
 

@@ -23,6 +23,7 @@ import torch
 
 from diffalign.adapters.base import PromptEmbeds
 from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
+from diffalign.recipes._grpo_guard import make_guard, select_step, steps_of
 from diffalign.trainer import Trainer
 
 
@@ -79,6 +80,9 @@ class TransitionTrainer(Trainer):
         steps_applied = 0
         k = tr.k
         state_keep = tr.keep.any(dim=1)
+        schedule = self.adapter.make_schedule(cfg.sampling.num_steps, self.resolution, self.resolution)
+        guard = make_guard(self, algo, schedule, torch.unique(steps_of(schedule, tr.t)),
+                           reduction=getattr(algo, "logprob_reduction", "mean"))  # GRPO-Guard (None when off)
         self.adapter.denoiser.train()
         for _epoch in range(cfg.train.inner_epochs):
             perm = torch.randperm(tr.num_global, generator=self.generator)  # same on every process
@@ -120,8 +124,10 @@ class TransitionTrainer(Trainer):
                             ref_out = self.adapter.predict(x, t, emb, g)
                         ref = self.kernel.step(_rep(ref_out, k), xk, tk, tnk, sde=True, prev_sample=nxt)
                         kl = gaussian_mean_kl(step.mean, ref.mean, step.std)[keep]
-                    res = ppo_clip_loss(step.log_prob[keep], old[keep], tr.advantages[rows].flatten().to(dev)[keep],
-                                        clip_range=algo.clip_range, kl=kl, beta=algo.beta)
+                    logp, old, adv = step.log_prob[keep], old[keep], tr.advantages[rows].flatten().to(dev)[keep]
+                    if guard is not None:
+                        logp, old, adv = guard(select_step(step, keep), old, adv, steps_of(schedule, tk[keep]))
+                    res = ppo_clip_loss(logp, old, adv, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
                     loss = res.per_sample.sum() / float(global_terms[gi])
                     if not self.accumulate(loss):
                         bad = True
@@ -140,6 +146,8 @@ class TransitionTrainer(Trainer):
         out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied
         out["trained_terms"] = int(tr.keep.sum())
+        if guard is not None:
+            out.update(guard.metrics())
         return out
 
 

@@ -38,6 +38,8 @@ from diffalign.algorithms.branch_grpo import (
     zero_std_trees,
 )
 from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
+from diffalign.algorithms.grpo_guard import GuardOptions
+from diffalign.recipes._grpo_guard import make_guard
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
 from diffalign.errors import ConfigError
 from diffalign.sampling import build_kernel, sde_window_mask
@@ -49,7 +51,7 @@ MIB = 1024 * 1024
 
 @register_algorithm_config("branch_grpo")
 @dataclass
-class BranchGRPOConfig(AlgorithmConfig):
+class BranchGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard (docs/grpo_guard.md)
     name: str = "branch_grpo"
     # ---- the tree (rollout) ----
     split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])  # 0-based steps where every node branches (paper: 0,3,6,9 of 20)
@@ -92,6 +94,7 @@ class BranchGRPOConfig(AlgorithmConfig):
         _check(self.pruning_iterations >= 0, "algorithm.pruning_iterations", "must be >= 0")
         _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
         _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
+        self.validate_guard()
 
 
 def check_tree_config(cfg) -> TreeStructure:
@@ -295,6 +298,8 @@ class BranchGRPOTrainer(Trainer):
         stats = {"loss": [], "policy_loss": [], "kl": [], "clip_frac": [], "approx_kl": [], "ratio_mean": [], "grad_norm": []}
         steps_applied, train_nfe = 0, 0
         emb_dev = next(iter(embeds.cond.values())).device
+        guard = make_guard(self, algo, traj.timesteps, torch.unique(depth[all_edges[:, 1]] - 1),
+                           reduction=getattr(algo, "logprob_reduction", "mean"))  # GRPO-Guard (None when off)
         self.adapter.denoiser.train()
         for _epoch in range(cfg.train.inner_epochs):
             perm = torch.randperm(len(all_edges), generator=self.generator)  # global shuffle, then our share
@@ -333,8 +338,10 @@ class BranchGRPOTrainer(Trainer):
                         train_nfe += len(batch)
                         ref = self.kernel.step(ref_out, x, t, t_next, sde=True, prev_sample=x_next)
                         kl = gaussian_mean_kl(step.mean, ref.mean, step.std)
-                    res = ppo_clip_loss(step.log_prob, old_logp, advantages[trees_g, nodes].to(dev),
-                                        clip_range=algo.clip_range, kl=kl, beta=algo.beta)
+                    logp, adv = step.log_prob, advantages[trees_g, nodes].to(dev)
+                    if guard is not None:
+                        logp, old_logp, adv = guard(step, old_logp, adv, depth[nodes] - 1)
+                    res = ppo_clip_loss(logp, old_logp, adv, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
                     loss = res.per_sample.sum() / float(global_terms[gi])
                     if not self.accumulate(loss):
                         bad = True
@@ -349,6 +356,8 @@ class BranchGRPOTrainer(Trainer):
         out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied
         out["nfe_train"] = int(self._reduce_sum([train_nfe])[0])
+        if guard is not None:
+            out.update(guard.metrics())
         return out
 
     # ---- the tree picture -------------------------------------------------------------------

@@ -25,6 +25,7 @@ import torch
 
 import reward_models
 from diffalign.algorithms.step_grpo import CONTINUATIONS, candidate_advantages, choose_continuation
+from diffalign.algorithms.grpo_guard import GuardOptions
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
 from diffalign.drm.model import check_compatible
 from diffalign.drm.sampling import MAX_BRANCHES, branch_candidates
@@ -35,7 +36,7 @@ from diffalign.recipes.flow_grpo import plan_group_rollout
 
 @register_algorithm_config("drm_step_grpo")
 @dataclass
-class StepGRPOConfig(AlgorithmConfig):
+class StepGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard (docs/grpo_guard.md)
     name: str = "drm_step_grpo"
     num_candidates: int = 6  # k: SDE candidates branched from each state (paper: 6)
     continuation: Literal["random", "best"] = "random"  # which candidate a chain continues from (unverified in the paper)
@@ -57,6 +58,7 @@ class StepGRPOConfig(AlgorithmConfig):
         _check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
         _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
         _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
+        self.validate_guard()
 
 
 class StepGRPOTrainer(TransitionTrainer):

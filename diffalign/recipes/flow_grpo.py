@@ -20,6 +20,7 @@ import torch
 
 from diffalign.algorithms.flow_grpo import gaussian_mean_kl, group_advantages, ppo_clip_loss
 from diffalign.config import FlowGRPOConfig
+from diffalign.recipes._grpo_guard import make_guard
 from diffalign.sampling import Trajectory, sample_linear, sde_window_mask
 from diffalign.trainer import Trainer, reward_info
 
@@ -95,6 +96,7 @@ class FlowGRPOTrainer(Trainer):
         rewards = torch.cat([r for r, _ in results])
         info = self.gather_info(reward_info(results))  # per-batch means, then over processes
         sample_ids = torch.arange(plan.first, plan.first + plan.n_local)
+        self._guard_noise = plan.step_noise if getattr(self.algo, "guard_ratio_norm", False) else None  # GRPO-Guard's analytic norm
         return Trajectory.cat(trajs), plan.embeds, sample_ids, plan.n_global, rewards, info
 
     # ---- one iteration ----------------------------------------------------------------------
@@ -145,6 +147,8 @@ class FlowGRPOTrainer(Trainer):
         first_local = int(sample_ids[0])
         stats = {"loss": [], "policy_loss": [], "kl": [], "clip_frac": [], "approx_kl": [], "ratio_mean": [], "grad_norm": []}
         steps_applied = 0
+        guard = make_guard(self, algo, traj.timesteps, torch.nonzero(traj.sde_mask).flatten(), reduction=algo.logprob_reduction,
+                           step_noise=getattr(self, "_guard_noise", None))  # GRPO-Guard (None when off)
         self.adapter.denoiser.train()
         for _epoch in range(cfg.train.inner_epochs):
             # Global shuffle and step choice (same RNG use on every process), then our share.
@@ -187,8 +191,10 @@ class FlowGRPOTrainer(Trainer):
                             ref_out = self.adapter.predict(x, t, emb, g)
                         ref = self.kernel.step(ref_out, x, t, t_next, sde=True, prev_sample=x_next)
                         kl = gaussian_mean_kl(step.mean, ref.mean, step.std)
-                    res = ppo_clip_loss(step.log_prob, old_logp, advantages[rows + first_local].to(dev),
-                                        clip_range=algo.clip_range, kl=kl, beta=algo.beta)
+                    logp, adv = step.log_prob, advantages[rows + first_local].to(dev)
+                    if guard is not None:
+                        logp, old_logp, adv = guard(step, old_logp, adv, steps, rows=rows, x_next=x_next)
+                    res = ppo_clip_loss(logp, old_logp, adv, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
                     loss = res.per_sample.sum() / float(global_terms[gi])
                     if not self.accumulate(loss):
                         bad = True
@@ -204,6 +210,8 @@ class FlowGRPOTrainer(Trainer):
                 self._checked |= applied  # the policy has moved: later ratios need not be 1
         out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied
+        if guard is not None:
+            out.update(guard.metrics())
         return out
 
     def _idle_forward(self, traj: Trajectory, embeds, g: float) -> None:

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from diffalign.algorithms.stepwise import stepwise_advantages, stepwise_gains
+from diffalign.algorithms.grpo_guard import GuardOptions
 from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
 from diffalign.recipes._transitions import TransitionTrainer, Transitions
 from diffalign.recipes.flow_grpo import plan_group_rollout
@@ -32,7 +33,7 @@ from diffalign.tweedie import MAX_SUBSTEPS, DenseTrajectory, check_flow, decode_
 
 @register_algorithm_config("stepwise_flow_grpo")
 @dataclass
-class StepwiseFlowGRPOConfig(AlgorithmConfig):
+class StepwiseFlowGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard (docs/grpo_guard.md)
     name: str = "stepwise_flow_grpo"
     tweedie_substeps: int = 5  # K: ODE substeps refining each x0_hat (paper 5, robust 2..8); 0 = plain Tweedie (1 is the same)
     advantage_norm: Literal["joint", "per_step"] = "joint"  # z-score gains over all of a group's gains (paper) or per step
@@ -49,6 +50,7 @@ class StepwiseFlowGRPOConfig(AlgorithmConfig):
         _check(self.advantage_eps >= 0, "algorithm.advantage_eps", "must be >= 0")
         _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
         _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
+        self.validate_guard()
 
 
 def trainable_steps(kernel: Kernel, schedule: torch.Tensor, sde_mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,179 @@
+"""AWM recipe: ODE rollouts of the current policy -> rewards -> group advantages ->
+advantage-weighted flow matching on the clean samples -> EMA adapter update.
+
+Paper: Xue et al. 2025 (arXiv:2509.25050), reference ``scripts/train_sd3_awm.py`` and
+``config/dgx_awm.py`` of scxue/advantage_weighted_matching. The math lives in
+:mod:`diffalign.algorithms.awm`; this file orchestrates, reusing DiffusionNFT's machinery
+(:class:`~diffalign.recipes.diffusion_nft.DiffusionNFTTrainer`): seeded ODE rollouts, the
+advantages, and the second LoRA adapter — here the EMA policy of AWM's EMA-KL term, updated after
+every iteration by ``ema <- d ema + (1 - d) theta``, ``d = min(rate * optimizer_steps, max)``
+(reference: ``kl_ema_decay_type linear``, 0.001 and 0.3).
+
+Per sample, ``algorithm.train_timesteps`` noise levels are drawn one per stratum of the rollout
+schedule (reference ``time_type: discrete_wo_init``), fresh noise from per-(sample, level) seeds;
+multi-process runs follow Flow-GRPO's scheme (global shuffles and seeds, global term counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from diffalign.algorithms.awm import WEIGHTINGS, awm_loss, stratified_levels
+from diffalign.algorithms.diffusion_nft import ema_update_, old_policy_decay
+from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
+from diffalign.recipes.diffusion_nft import OLD_ADAPTER, DiffusionNFTTrainer, SeededSamples
+from diffalign.seeded import SEED_HIGH, seed_noise
+
+
+@register_algorithm_config("awm")
+@dataclass
+class AWMConfig(AlgorithmConfig):
+    name: str = "awm"
+    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"  # w(l, t) of the matching loss (reference: ghuber)
+    ghuber_power: float = 0.25  # p of ghuber: t / p ((l + c)^p - c^p)
+    adv_clip: float = 5.0  # A clipped to +- this ...
+    advantage_max: float = 1.0  # ... then scaled to +- this (reference: A / 5)
+    advantage_std: Literal["global", "group"] = "global"  # std over the batch (reference: global_std=True) or per prompt
+    advantage_eps: float = 1.0e-4
+    filter_zero_std_groups: bool = False  # the reference keeps them (A = 0: only the KL terms act)
+    train_timesteps: int = 6  # noise levels trained per sample, one per stratum (reference: 6 of 14 steps)
+    timestep_fraction: float = 0.9  # strata cover schedule indices up to int(num_steps * fraction) (reference: 0.9)
+    time_type: Literal["discrete_wo_init", "discrete"] = "discrete_wo_init"  # skip sigma = 1 (reference) or not
+    kl_beta: float = 3.0e-3  # mean((v_theta - v_ref)^2), reference = adapter disabled (reference: 0.003; 1e-4 for PickScore); 0 skips that forward
+    ema_kl_beta: float = 1.0  # mean((v_theta - v_ema)^2) against the EMA adapter (reference ema_beta: 1); 0 skips that forward
+    ema_decay_rate: float = 0.001  # EMA adapter: d = min(rate * optimizer_steps, ema_decay_max) ...
+    ema_decay_max: float = 0.3  # ... (reference kl_ema_decay 0.3, linear)
+    train_guidance_scale: float = 1.0  # CFG in the training forwards; 1 = conditional only (reference: train.cfg False)
+    sample_with: Literal["current", "old"] = "current"  # rollouts with the trained adapter (reference off_policy False) or the EMA one
+
+    # what DiffusionNFT's inherited rollout / EMA code reads
+    @property
+    def old_decay_rate(self) -> float:
+        return self.ema_decay_rate
+
+    @property
+    def old_decay_max(self) -> float:
+        return self.ema_decay_max
+
+    old_decay_flat: int = 0
+
+    @property
+    def trained_steps_per_sample(self) -> int:  # the run header's count
+        return self.train_timesteps
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        _check(self.weighting in WEIGHTINGS, f"{prefix}.weighting", f"must be one of {', '.join(WEIGHTINGS)}")
+        _check(self.ghuber_power > 0, f"{prefix}.ghuber_power", "must be > 0")
+        _check(self.adv_clip > 0, f"{prefix}.adv_clip", "must be > 0")
+        _check(self.advantage_max > 0, f"{prefix}.advantage_max", "must be > 0")
+        _check(self.train_timesteps >= 1, f"{prefix}.train_timesteps", "must be >= 1")
+        _check(0 < self.timestep_fraction <= 1, f"{prefix}.timestep_fraction", "must be in (0, 1]")
+        _check(self.kl_beta >= 0, f"{prefix}.kl_beta", "must be >= 0")
+        _check(self.ema_kl_beta >= 0, f"{prefix}.ema_kl_beta", "must be >= 0")
+        _check(self.ema_decay_rate >= 0, f"{prefix}.ema_decay_rate", "must be >= 0")
+        _check(0 <= self.ema_decay_max < 1, f"{prefix}.ema_decay_max", "must be in [0, 1)")
+        _check(self.train_guidance_scale >= 0, f"{prefix}.train_guidance_scale", "must be >= 0")
+
+
+class AWMTrainer(DiffusionNFTTrainer):
+    """DiffusionNFT's rollouts, advantages and second adapter; AWM's loss and noise levels."""
+
+    def iteration(self, iteration: int) -> dict:
+        record = super().iteration(iteration)
+        record["ema_decay"] = record.pop("old_decay")
+        return record
+
+    def update_old_adapter(self) -> float:
+        a = self.algo
+        d = old_policy_decay(self.optimizer_steps_done, rate=a.ema_decay_rate, max_decay=a.ema_decay_max)
+        ema_update_(self.old_params, self.trainable, d)
+        return d
+
+    def trained_levels(self, n_global: int) -> torch.Tensor:
+        a = self.algo
+        num_steps = self.cfg.sampling.num_steps
+        return stratified_levels(num_steps, a.train_timesteps, fraction=a.timestep_fraction,
+                                 skip_first=a.time_type == "discrete_wo_init", n=n_global, generator=self.generator)
+
+    def update(self, samples: SeededSamples, advantages: torch.Tensor, keep: torch.Tensor) -> dict:
+        """AWM updates on this process's samples; ``advantages`` / ``keep`` are global (n_global,)."""
+        cfg, algo = self.cfg, self.algo
+        dev = self.device
+        g = algo.train_guidance_scale
+        schedule = self.adapter.make_schedule(cfg.sampling.num_steps, self.resolution, self.resolution)
+        latent = tuple(samples.x0.shape[1:])
+        n_global, first_local, n_local = samples.n_global, int(samples.sample_ids[0]), len(samples.sample_ids)
+        keys = ("loss", "policy_loss", "matching_loss", "kl", "ema_kl")
+        stats: dict[str, list] = {k: [] for k in keys + ("grad_norm",)}
+        steps_applied = 0
+        self.adapter.denoiser.train()
+        for _epoch in range(cfg.train.inner_epochs):
+            perm = torch.randperm(n_global, generator=self.generator)
+            level_idx = self.trained_levels(n_global)  # (n_global, K)
+            noise_seeds = torch.randint(0, SEED_HIGH, tuple(level_idx.shape), generator=self.generator)
+            mine = (perm >= first_local) & (perm < first_local + n_local) & keep[perm]
+            order_global = perm[mine]
+            order = order_global - first_local
+            n_levels = level_idx.shape[1]
+            batches = [slice(s, s + cfg.train.batch_size) for s in range(0, len(order), cfg.train.batch_size)]
+            micro = [(b, j) for b in batches for j in range(n_levels)]
+            groups = np.array_split(np.arange(len(micro)), cfg.train.optimizer_steps_per_iteration)
+            local_terms = torch.tensor([sum(len(order[micro[m][0]]) for m in grp) for grp in groups], dtype=torch.float64)
+            global_terms = self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu() if self.accelerator.num_processes > 1 else local_terms
+            for gi, grp in enumerate(groups):
+                if global_terms[gi] == 0:
+                    continue
+                bad = False
+                for m in grp:
+                    b, j = micro[m]
+                    rows, grows = order[b], order_global[b]
+                    x0 = samples.x0[rows].to(dev).float()
+                    t = schedule[level_idx[grows, j]].to(dev)
+                    eps, _ = seed_noise(noise_seeds[grows, j], latent)
+                    eps = eps.to(dev)
+                    tb = t.reshape(-1, *([1] * len(latent)))
+                    x_t = (1 - tb) * x0 + tb * eps
+                    emb = samples.embeds.select(rows.to(samples.embeds.cond[next(iter(samples.embeds.cond))].device))
+                    with self.autocast():
+                        v_theta = self.adapter.predict(x_t, t, emb, g)
+                    v_ema = v_ref = None
+                    if algo.ema_kl_beta > 0:
+                        with torch.no_grad(), self.adapter_active(OLD_ADAPTER), self.autocast():
+                            v_ema = self.adapter.predict(x_t, t, emb, g)
+                        if not self._checked:
+                            self._self_check(v_theta.detach(), v_ema)
+                    if algo.kl_beta > 0:
+                        with torch.no_grad(), self.reference_model(), self.autocast():
+                            v_ref = self.adapter.predict(x_t, t, emb, g)
+                    res = awm_loss(v_theta, x0, eps, t, advantages[grows].to(dev), v_ref=v_ref, v_ema=v_ema,
+                                   weighting=algo.weighting, ghuber_power=algo.ghuber_power, adv_clip=algo.adv_clip,
+                                   advantage_max=algo.advantage_max, kl_beta=algo.kl_beta, ema_kl_beta=algo.ema_kl_beta)
+                    loss = res.per_sample.sum() / float(global_terms[gi])
+                    if not self.accumulate(loss):
+                        bad = True
+                        continue
+                    for key in keys:
+                        stats[key].append(float(getattr(res, key).detach()))
+                norm, applied = self.close_step(bad)
+                if applied:
+                    stats["grad_norm"].append(norm)
+                steps_applied += int(applied)
+                self.optimizer_steps_done += int(applied)
+                self._checked |= applied
+        out = self.mean_stats(stats)
+        out["optimizer_steps"] = steps_applied
+        return out
+
+    def print_header(self) -> None:
+        super(DiffusionNFTTrainer, self).print_header()
+        a = self.algo
+        self.log(f"  AWM: rollouts with the {self.sampling_adapter!r} adapter (ODE, {self.cfg.sampling.num_steps} steps), "
+                 f"{a.train_timesteps} noise levels per sample, weighting {a.weighting}, KL {a.kl_beta}, EMA-KL {a.ema_kl_beta} "
+                 f"(EMA decay min({a.ema_decay_rate} x steps, {a.ema_decay_max}))")
+
+
+__all__ = ["AWMConfig", "AWMTrainer"]
