@@ -135,7 +135,7 @@ PROMPTS = ["a cat", "a dog", "a red car", "a tree on a hill", "a blue house", "t
 
 
 def bench_config(model_dir: str, output_dir: str, size: ModelSize, overrides: list[str]):
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
 
     base = {
         "output_dir": output_dir,
@@ -396,8 +396,7 @@ def _benchmark(args: argparse.Namespace) -> BenchmarkResult:
             profile = profile_toolkit(trainer, next_iteration, max(2, args.iterations)) if args.profile else ""
         finally:
             log.handle.remove()
-            if trainer._pool is not None:  # the reward worker thread; Trainer.train() shuts it down the same way
-                trainer._pool.shutdown(wait=True)
+            trainer.reward_pool.shutdown()  # the reward worker thread; Trainer.train() shuts it down the same way
     return BenchmarkResult(args.size, toolkit, raw_side, forward_seconds, load_before, os.getloadavg(), profile)
 
 

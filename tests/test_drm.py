@@ -10,10 +10,12 @@ import pytest
 import torch
 
 import reward_models
-from diffalign.algorithms.step_grpo import bradley_terry_loss, candidate_advantages, choose_continuation, pairwise_accuracy
+from diffalign.algorithms.continuation import choose_continuation
+from diffalign.algorithms.step_grpo import bradley_terry_loss, candidate_advantages, pairwise_accuracy
 from diffalign.cli import main
-from diffalign.config import load_config
-from diffalign.drm.model import DiffusionRewardModel, DRMError, add_noise, encode_images, model_time, num_droppable_blocks
+from diffalign.config_files import load_config
+from diffalign.drm.model import DiffusionRewardModel, DRMError, num_droppable_blocks
+from diffalign.forward_process import add_noise, encode_images, model_time
 from diffalign.drm.pairs import PairSet, generate_pairs, load_pairs_file, read_pairs_file
 from diffalign.drm.sampling import stepwise_sample
 from diffalign.drm.train import accuracy_vs_t
@@ -119,6 +121,15 @@ def test_noising_in_each_time_convention():
     assert t.tolist() == [0.0, 999.0]
     abar = fake.alphas_cumprod[999]
     assert torch.allclose(add_noise(fake, x0, eps + 1, t)[1], (abar.sqrt() + (1 - abar).sqrt()).expand(3))
+
+
+def test_one_time_rule_for_epsilon_models():
+    """Noise level tau -> DDPM index is min(floor(tau N), N - 1) for the DRM, the SPM and DPO alike,
+    with N = 1000 here: index i covers tau in [i / N, (i + 1) / N). The taus 0.0009 and 0.6
+    tell it from round(tau (N - 1)), the rule the DRM had (which gives 1 and 599)."""
+    fake = FakeEps()
+    taus = torch.tensor([0.0, 0.5, 0.9999, 1.0, 0.0009, 0.9995, 0.6])
+    assert model_time(fake, taus).tolist() == [0.0, 500.0, 999.0, 999.0, 0.0, 999.0, 600.0]
 
 
 # ---- the model ------------------------------------------------------------------------------

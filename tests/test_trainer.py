@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from diffalign.cli import main
-from diffalign.config import load_config
+from diffalign.config_files import load_config
 from diffalign.recipes import build_trainer
 from diffalign.recipes.flow_grpo import FlowGRPOTrainer
-from diffalign.trainer import SelfCheckError
+from diffalign.training.checks import SelfCheckError
 
 SD3 = "configs/tiny/flow_grpo_sd3.yaml"
 FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]

@@ -65,7 +65,7 @@ def test_zero2_discard_and_step(repo_root, tmp_path):
 
 
 def test_deepspeed_config_follows_the_run_config():
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.distributed import deepspeed_config
 
     cfg = load_config("configs/tiny/flow_grpo_sd3.yaml", ["train.zero_stage=2", "train.batch_size=6", "optim.grad_clip=0.5"])
@@ -108,7 +108,7 @@ class _Accel:
 def test_zero_stage_from_the_accelerate_config(monkeypatch):
     import yaml
 
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.distributed import zero_stage
     from diffalign.errors import ConfigError
 

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from diffalign.adapters.base import ModelAdapter
-from diffalign.drm.model import DRMError, encode_images
+from diffalign.drm.model import DRMError
+from diffalign.forward_process import encode_images
 from diffalign.sampling import build_kernel, sample_linear
 
 _PROMPT_KEYS = ("caption", "prompt")

@@ -2,7 +2,7 @@
 -> (pruned) parent -> child edges -> clipped PPO updates.
 
 The math lives in :mod:`diffalign.algorithms.branch_grpo`, the sampler in
-:mod:`diffalign.tree_rollout`; this file orchestrates, following :mod:`diffalign.recipes.flow_grpo`
+:mod:`diffalign.sampling.tree`; this file orchestrates, following :mod:`diffalign.recipes.flow_grpo`
 (global prompts / noise / shuffles sliced per process, losses over global term counts, the
 on-policy self-check, non-finite handling).
 
@@ -38,11 +38,12 @@ from diffalign.algorithms.branch_grpo import (
     zero_std_trees,
 )
 from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
-from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check, register_algorithm_config
 from diffalign.errors import ConfigError
 from diffalign.sampling import build_kernel, sde_window_mask
-from diffalign.trainer import Trainer, reward_info
-from diffalign.tree_rollout import TreeTrajectory, draw_tree, measure_forward_memory, sample_tree
+from diffalign.trainer import Trainer
+from diffalign.training.rewards import reward_info
+from diffalign.sampling.tree import TreeTrajectory, draw_tree, measure_forward_memory, sample_tree
 
 MIB = 1024 * 1024
 
@@ -78,20 +79,20 @@ class BranchGRPOConfig(AlgorithmConfig):
     tree_picture: bool = True  # add a picture of one prompt's tree to report.md
 
     def validate(self) -> None:
-        _check(len(self.split_steps) >= 1, "algorithm.split_steps", "must list at least one step")
-        _check(len(set(self.split_steps)) == len(self.split_steps), "algorithm.split_steps", f"has duplicates: {self.split_steps}")
-        _check(all(s >= 0 for s in self.split_steps), "algorithm.split_steps", f"must be >= 0: {self.split_steps}")
-        _check(self.branch_factor >= 2, "algorithm.branch_factor", "must be >= 2")
-        _check(self.split_noise_scale > 0, "algorithm.split_noise_scale", "must be > 0")
-        _check(self.forward_memory_mb >= 0, "algorithm.forward_memory_mb", "must be >= 0 (0 = chunk by rollout.sample_batch_size)")
-        _check(self.fusion_temperature > 0, "algorithm.fusion_temperature", "must be > 0")
-        _check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
-        _check(all(d >= 1 for d in self.depth_pruning), "algorithm.depth_pruning", f"depths must be >= 1: {self.depth_pruning}")
-        _check(self.depth_pruning_slide_every >= 1, "algorithm.depth_pruning_slide_every", "must be >= 1")
-        _check(0 < self.width_pruning_ratio <= 1, "algorithm.width_pruning_ratio", "must be in (0, 1]")
-        _check(self.pruning_iterations >= 0, "algorithm.pruning_iterations", "must be >= 0")
-        _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
-        _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
+        check(len(self.split_steps) >= 1, "algorithm.split_steps", "must list at least one step")
+        check(len(set(self.split_steps)) == len(self.split_steps), "algorithm.split_steps", f"has duplicates: {self.split_steps}")
+        check(all(s >= 0 for s in self.split_steps), "algorithm.split_steps", f"must be >= 0: {self.split_steps}")
+        check(self.branch_factor >= 2, "algorithm.branch_factor", "must be >= 2")
+        check(self.split_noise_scale > 0, "algorithm.split_noise_scale", "must be > 0")
+        check(self.forward_memory_mb >= 0, "algorithm.forward_memory_mb", "must be >= 0 (0 = chunk by rollout.sample_batch_size)")
+        check(self.fusion_temperature > 0, "algorithm.fusion_temperature", "must be > 0")
+        check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
+        check(all(d >= 1 for d in self.depth_pruning), "algorithm.depth_pruning", f"depths must be >= 1: {self.depth_pruning}")
+        check(self.depth_pruning_slide_every >= 1, "algorithm.depth_pruning_slide_every", "must be >= 1")
+        check(0 < self.width_pruning_ratio <= 1, "algorithm.width_pruning_ratio", "must be in (0, 1]")
+        check(self.pruning_iterations >= 0, "algorithm.pruning_iterations", "must be >= 0")
+        check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
+        check(self.beta >= 0, "algorithm.beta", "must be >= 0")
 
 
 def check_tree_config(cfg) -> TreeStructure:

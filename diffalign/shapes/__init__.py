@@ -1,9 +1,19 @@
 """The embedded default task: a world of coloured shapes with GenEval-style prompts.
 
-``diffalign.shapes.world`` defines the shapes, colours, prompt grammar, train/held-out split,
-scene sampler and renderer; ``reward_models.shapes_eval`` verifies generated images against it.
+``diffalign.shapes.world`` defines the shapes, colours, prompt grammar and train/held-out split,
+``diffalign.shapes.scenes`` the scene sampler, requirement check and renderer; ``reward_models.shapes_eval`` verifies generated images against it.
 """
 
+from diffalign.shapes.scenes import (
+    PlacedObject,
+    Scene,
+    make_batch,
+    relation_holds,
+    render,
+    render_prompt,
+    requirements_met,
+    sample_scene,
+)
 from diffalign.shapes.world import (
     BACKGROUND,
     COLORS,
@@ -14,22 +24,14 @@ from diffalign.shapes.world import (
     SHAPES,
     VALIDATION_COUNTS,
     ObjectSpec,
-    PlacedObject,
     PromptError,
     PromptSpec,
     PromptSplit,
-    Scene,
     all_prompts,
     evaluation_prompts,
-    make_batch,
     parse_prompt,
     prompt_atoms,
     prompt_family,
-    relation_holds,
-    render,
-    render_prompt,
-    requirements_met,
-    sample_scene,
     split_prompts,
     validation_split,
     vocabulary,
