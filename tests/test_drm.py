@@ -16,7 +16,7 @@ from diffalign.cli import main
 from diffalign.config_files import load_config
 from diffalign.drm.model import DiffusionRewardModel, DRMError, num_droppable_blocks
 from diffalign.forward_process import add_noise, encode_images, model_time
-from diffalign.drm.pairs import PairSet, generate_pairs, load_pairs_file, read_pairs_file
+from diffalign.pairs import LatentPairs, PairFileError, generate_latent_pairs, load_latent_pairs, read_pair_rows
 from diffalign.drm.sampling import stepwise_sample
 from diffalign.drm.train import accuracy_vs_t
 from diffalign.errors import ConfigError, RewardError
@@ -211,16 +211,16 @@ def test_pick_a_pic_file(tmp_path):
     from diffalign.adapters import load_adapter
 
     path = pick_a_pic_file(tmp_path, n_rows=2)
-    rows = read_pairs_file(path)
+    rows = read_pair_rows(path)
     assert [r["label_0"] for r in rows] == [0.0, 1.0, 0.5, 0.0]  # has_label=false skipped; label_1=1 -> label_0=0
-    assert len(read_pairs_file(path, drop_ties=True)) == 3
-    pairs = load_pairs_file(path, load_adapter("tiny:shapes"), 32)
+    assert len(read_pair_rows(path, drop_ties=True)) == 3
+    pairs = load_latent_pairs(path, load_adapter("tiny:shapes"), 32)
     assert len(pairs) == 4 and pairs.latents.shape == (8, 3, 32, 32)
     assert torch.allclose(pairs.latents[0], torch.full((3, 32, 32), 2 * 20 / 255 - 1), atol=1e-6)  # centre crop, resize, 2x - 1
     assert pairs.prompts[:2] == ["a red circle 0"] * 2
     (tmp_path / "img" / "1_1.png").unlink()
-    with pytest.raises(DRMError, match=r"1 image\(s\) missing, first .*1_1.png"):
-        read_pairs_file(path)
+    with pytest.raises(PairFileError, match=r"pairs.jsonl:2: image .*1_1.png' does not exist"):
+        read_pair_rows(path)
 
 
 def test_generated_pairs_follow_the_reward():
@@ -228,7 +228,7 @@ def test_generated_pairs_follow_the_reward():
 
     adapter = load_adapter("tiny:shapes")
     reward = reward_models.build("brightness")
-    pairs = generate_pairs(adapter, ["a red circle", "a blue square"], reward, samples_per_prompt=3, num_steps=2,
+    pairs = generate_latent_pairs(adapter, ["a red circle", "a blue square"], reward, samples_per_prompt=3, num_steps=2,
                            guidance_scale=1.0, resolution=32, seed=0, max_pairs_per_prompt=2)
     assert 1 <= len(pairs) <= 4 and pairs.rewards.shape == (6,)
     for (a, b), y in zip(pairs.pairs.tolist(), pairs.label_0.tolist()):
@@ -245,7 +245,7 @@ def synthetic_brightness_pairs(n, generator):
     pairs = torch.stack([torch.arange(n), torch.arange(n) + n], 1)
     flip = torch.rand(n, generator=generator) < 0.5
     pairs[flip] = pairs[flip].flip(1)
-    return PairSet(latents.contiguous(), ["a red circle"] * (2 * n), pairs, (~flip).float())
+    return LatentPairs(latents.contiguous(), ["a red circle"] * (2 * n), pairs, (~flip).float())
 
 
 def test_drm_learns_a_preference_and_chance_at_pure_noise():

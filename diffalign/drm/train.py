@@ -31,12 +31,12 @@ import torch
 
 from diffalign import runs
 from diffalign.algorithms.step_grpo import bradley_terry_loss, pairwise_accuracy
-from diffalign.config import check, LogConfig, PromptsConfig
+from diffalign.config import LogConfig, PromptsConfig, check
 from diffalign.config_files import apply_overrides, dump_config, from_dict, read_yaml
 from diffalign.drm.model import DiffusionRewardModel
-from diffalign.forward_process import add_noise, model_time
-from diffalign.drm.pairs import PairSet, generate_pairs, load_pairs_file
 from diffalign.errors import ConfigError, DiffalignError
+from diffalign.forward_process import add_noise, model_time
+from diffalign.pairs import LatentPairs, generate_latent_pairs, load_latent_pairs
 
 
 # ---- config -----------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def _merge(base: dict, update: dict) -> dict:
 
 # ---- evaluation -------------------------------------------------------------------------------
 @torch.no_grad()
-def accuracy_vs_t(drm: DiffusionRewardModel, pairs: PairSet, t_grid, *, seed: int = 1234, batch_size: int = 64) -> list[dict]:
+def accuracy_vs_t(drm: DiffusionRewardModel, pairs: LatentPairs, t_grid, *, seed: int = 1234, batch_size: int = 64) -> list[dict]:
     """Pairwise accuracy of ``drm`` on ``pairs`` at each noise fraction of ``t_grid``; both images of
     a pair get the same noise, and a pair keeps its noise across the grid."""
     if len(pairs) == 0:
@@ -224,12 +224,12 @@ def format_accuracy_table(rows: list[dict]) -> str:
 
 
 # ---- training ---------------------------------------------------------------------------------
-def build_pairs(cfg: DRMRunConfig, drm: DiffusionRewardModel, log: Callable[[str], None]) -> tuple[PairSet, PairSet]:
+def build_pairs(cfg: DRMRunConfig, drm: DiffusionRewardModel, log: Callable[[str], None]) -> tuple[LatentPairs, LatentPairs]:
     p = cfg.pairs
     if p.source == "file":
-        pairs = load_pairs_file(p.file, drm.adapter, drm.resolution, drop_ties=p.drop_ties)
+        pairs = load_latent_pairs(p.file, drm.adapter, drm.resolution, drop_ties=p.drop_ties)
         if p.eval_file:
-            return pairs, load_pairs_file(p.eval_file, drm.adapter, drm.resolution, drop_ties=p.drop_ties)
+            return pairs, load_latent_pairs(p.eval_file, drm.adapter, drm.resolution, drop_ties=p.drop_ties)
         return pairs.split(p.eval_fraction, torch.Generator().manual_seed(cfg.seed))
     import reward_models
     from diffalign.adapters import load_adapter
@@ -246,8 +246,8 @@ def build_pairs(cfg: DRMRunConfig, drm: DiffusionRewardModel, log: Callable[[str
                   resolution=drm.resolution, batch_size=p.batch_size, max_pairs_per_prompt=p.max_pairs_per_prompt, log=log)
     log(f"generating pairs: {len(train_prompts)} training + {len(eval_prompts)} evaluation prompts x {p.samples_per_prompt} samples, "
         f"labelled by {p.reward}")
-    train = generate_pairs(sampler, train_prompts, reward_fn, seed=cfg.seed, **common)
-    held = generate_pairs(sampler, eval_prompts, reward_fn, seed=cfg.seed + 1, **common)
+    train = generate_latent_pairs(sampler, train_prompts, reward_fn, seed=cfg.seed, **common)
+    held = generate_latent_pairs(sampler, eval_prompts, reward_fn, seed=cfg.seed + 1, **common)
     del sampler
     return train, held
 
