@@ -6,7 +6,7 @@ evaluation, checkpoints) around accelerate, seeding, the model adapter, prompts 
 algorithm subclasses it and implements :meth:`Trainer.iteration` (rollout -> rewards ->
 advantages -> update) using pure functions from :mod:`diffalign.algorithms` and samplers from
 :mod:`diffalign.sampling`; its update needs only :meth:`~Trainer.accumulate`,
-:meth:`~Trainer.close_step` and :meth:`~Trainer.mean_stats`.
+:meth:`~Trainer.close_step` and :meth:`~Trainer.check_log_ratio`.
 """
 
 from __future__ import annotations
@@ -169,10 +169,13 @@ class Trainer:
         False when it was non-finite and poisons the step (see :meth:`close_step`)."""
         return self.backend.accumulate(loss)
 
-    def close_step(self, poisoned: bool) -> tuple[float, bool]:
+    def close_step(self, poisoned: bool, stats: dict[str, list[float]] | None = None) -> tuple[float, bool]:
         """Apply (or, when any process saw a non-finite loss, drop and count) the accumulated
-        step. Returns (grad_norm, applied)."""
-        return self.backend.close_step(poisoned)
+        step. Returns (grad_norm, applied); an applied step's norm is appended to ``stats["grad_norm"]``."""
+        norm, applied = self.backend.close_step(poisoned)
+        if applied and stats is not None:
+            stats["grad_norm"].append(norm)
+        return norm, applied
 
     def mean_stats(self, stats: dict[str, list[float]]) -> dict[str, float]:
         """Per-key means of an update's micro-batch statistics over every process (a collective)."""

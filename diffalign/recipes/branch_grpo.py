@@ -37,13 +37,13 @@ from diffalign.algorithms.branch_grpo import (
     training_edges,
     zero_std_trees,
 )
-from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
 from diffalign.config import AlgorithmConfig, check, register_algorithm_config
 from diffalign.errors import ConfigError
+from diffalign.recipes._clipped import accumulate_clipped, reference_kl
 from diffalign.sampling import build_kernel, sde_window_mask
+from diffalign.sampling.tree import TreeTrajectory, draw_tree, measure_forward_memory, sample_tree
 from diffalign.trainer import Trainer
 from diffalign.training.rewards import reward_info
-from diffalign.sampling.tree import TreeTrajectory, draw_tree, measure_forward_memory, sample_tree
 
 MIB = 1024 * 1024
 
@@ -329,22 +329,13 @@ class BranchGRPOTrainer(Trainer):
                         self.check_log_ratio(step.log_prob.detach(), old_logp, f"on tree edges at steps {steps_seen}", "tree sampler")
                     kl = None
                     if algo.beta > 0:
-                        with torch.no_grad(), self.reference_model(), self.autocast():
-                            ref_out = self.adapter.predict(x, t, emb, g)
+                        kl = reference_kl(self, x, t, emb, g, step, lambda ref_out: self.kernel.step(
+                            ref_out, x, t, t_next, sde=True, prev_sample=x_next))
                         train_nfe += len(batch)
-                        ref = self.kernel.step(ref_out, x, t, t_next, sde=True, prev_sample=x_next)
-                        kl = gaussian_mean_kl(step.mean, ref.mean, step.std)
-                    res = ppo_clip_loss(step.log_prob, old_logp, advantages[trees_g, nodes].to(dev),
-                                        clip_range=algo.clip_range, kl=kl, beta=algo.beta)
-                    loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not self.accumulate(loss):
+                    adv = advantages[trees_g, nodes].to(dev)
+                    if not accumulate_clipped(self, step.log_prob, old_logp, adv, kl, algo, global_terms[gi], stats):
                         bad = True
-                        continue
-                    for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
-                        stats[key].append(float(getattr(res, key).detach()))
-                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
-                if applied:
-                    stats["grad_norm"].append(norm)
+                _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)
                 self._checked |= applied  # the policy has moved: later ratios need not be 1
         out = self.mean_stats(stats)

@@ -158,9 +158,7 @@ class DiffusionDPOTrainer(Trainer):
                 stats["model_diff"].append(float(res.model_diff))
                 stats["ref_diff"].append(float(res.ref_diff))
                 stats["model_mse"].append(float(torch.cat([err_w, err_l]).mean().detach()))
-            norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
-            if applied:
-                stats["grad_norm"].append(norm)
+            _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
             steps_applied += int(applied)
         out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied

@@ -17,12 +17,12 @@ import time
 import numpy as np
 import torch
 
-from diffalign.algorithms.flow_grpo import gaussian_mean_kl, group_advantages, ppo_clip_loss
 from diffalign.config import FlowGRPOConfig
+from diffalign.recipes._clipped import accumulate_clipped, reference_kl
 from diffalign.sampling import Trajectory, sample_linear
 from diffalign.trainer import Trainer
 from diffalign.training.rewards import reward_info
-from diffalign.training.groups import plan_group_rollout
+from diffalign.training.groups import gathered_group_advantages, plan_group_rollout
 
 
 class FlowGRPOTrainer(Trainer):
@@ -64,20 +64,10 @@ class FlowGRPOTrainer(Trainer):
         t0 = time.perf_counter()
         traj, embeds, sample_ids, n_global, rewards, info = self.rollout(iteration)
         t_rollout = time.perf_counter() - t0
-        rewards = self.check_rewards(rewards, iteration)
-        all_rewards = self.accelerator.gather(rewards.to(self.device)).cpu()  # (n_global,) in sample order
-        group_ids = torch.arange(n_global) // self.cfg.rollout.group_size
-        adv = group_advantages(all_rewards, group_ids, std_mode=algo.advantage_std, eps=algo.advantage_eps,
-                               clip=algo.advantage_clip, filter_zero_std=algo.filter_zero_std_groups)
-        finite = torch.isfinite(all_rewards)
-        record = {
-            "reward_mean": float(all_rewards[finite].mean()) if finite.any() else float("nan"),
-            "reward_std": float(all_rewards[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0,
-            "advantage_abs_mean": float(adv.advantages.abs().mean()),
-            "zero_std_frac": adv.zero_std_fraction,
-            "kept_frac": float(adv.keep.float().mean()),
-            **info,
-        }
+        adv, record = gathered_group_advantages(self, rewards, n_global, iteration, std_mode=algo.advantage_std,
+                                                eps=algo.advantage_eps, clip=algo.advantage_clip,
+                                                filter_zero_std=algo.filter_zero_std_groups)
+        record.update(info)
         t0 = time.perf_counter()
         record.update(self.update(traj, embeds, sample_ids, n_global, adv.advantages, adv.keep))
         record.update({"time/rollout": t_rollout, "time/update": time.perf_counter() - t0})
@@ -144,23 +134,14 @@ class FlowGRPOTrainer(Trainer):
                         self.check_log_ratio(step.log_prob.detach(), old_logp, f"at steps {sorted(set(steps.tolist()))}")
                     kl = None
                     if algo.beta > 0:
-                        with torch.no_grad(), self.reference_model(), self.autocast():
-                            ref_out = self.adapter.predict(x, t, emb, g)
-                        ref = self.kernel.step(ref_out, x, t, t_next, sde=True, prev_sample=x_next)
-                        kl = gaussian_mean_kl(step.mean, ref.mean, step.std)
-                    res = ppo_clip_loss(step.log_prob, old_logp, advantages[rows + first_local].to(dev),
-                                        clip_range=algo.clip_range, kl=kl, beta=algo.beta)
-                    loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not self.accumulate(loss):
+                        kl = reference_kl(self, x, t, emb, g, step, lambda ref_out: self.kernel.step(
+                            ref_out, x, t, t_next, sde=True, prev_sample=x_next))
+                    adv = advantages[rows + first_local].to(dev)
+                    if not accumulate_clipped(self, step.log_prob, old_logp, adv, kl, algo, global_terms[gi], stats):
                         bad = True
-                        continue
-                    for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
-                        stats[key].append(float(getattr(res, key).detach()))
                 for _ in range(forwards[gi] - len(grp)):
                     self._idle_forward(traj, embeds, g)
-                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
-                if applied:
-                    stats["grad_norm"].append(norm)
+                _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)
                 self._checked |= applied  # the policy has moved: later ratios need not be 1
         out = self.mean_stats(stats)

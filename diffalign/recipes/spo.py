@@ -299,9 +299,7 @@ class SPOTrainer(Trainer):
                     stats["ratio_lose"].append(float(res.ratio_lose.mean()))
                     stats["clip_frac"].append(float(res.clip_frac))
                     stats["implicit_acc"].append(float(res.accuracy))
-                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
-                if applied:
-                    stats["grad_norm"].append(norm)
+                _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)
                 self._checked |= applied
         out = self.mean_stats(stats)

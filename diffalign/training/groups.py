@@ -52,3 +52,25 @@ def plan_group_rollout(trainer, iteration: int, *, with_step_noise: bool = True)
     embeds = trainer.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
     schedule = trainer.adapter.make_schedule(s.num_steps, trainer.resolution, trainer.resolution)
     return GroupRollout(prompts, sample_prompts, n_local, n_global, rank * n_local, sde_mask, noise, step_noise, embeds, schedule)
+
+
+def reward_summary(rewards: torch.Tensor) -> dict[str, float]:
+    """``reward_mean`` / ``reward_std`` over the finite rewards (NaN / 0 when there are too few)."""
+    finite = torch.isfinite(rewards)
+    return {"reward_mean": float(rewards[finite].mean()) if finite.any() else float("nan"),
+            "reward_std": float(rewards[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0}
+
+
+def gathered_group_advantages(trainer, rewards: torch.Tensor, n_global: int, iteration: int, *, std_mode: str,
+                              eps: float, clip: float, filter_zero_std: bool):
+    """Check this process's rewards, gather every process's (sample order), and compute the group
+    advantages of :func:`diffalign.algorithms.flow_grpo.group_advantages`. Returns the advantages
+    and the iteration's reward and advantage statistics."""
+    from diffalign.algorithms.flow_grpo import group_advantages
+
+    rewards = trainer.check_rewards(rewards, iteration)
+    all_rewards = trainer.accelerator.gather(rewards.to(trainer.device)).cpu()  # (n_global,) in sample order
+    group_ids = torch.arange(n_global) // trainer.cfg.rollout.group_size
+    adv = group_advantages(all_rewards, group_ids, std_mode=std_mode, eps=eps, clip=clip, filter_zero_std=filter_zero_std)
+    return adv, {**reward_summary(all_rewards), "advantage_abs_mean": float(adv.advantages.abs().mean()),
+                 "zero_std_frac": adv.zero_std_fraction, "kept_frac": float(adv.keep.float().mean())}
