@@ -73,7 +73,7 @@ def evaluate(trainer, prompts, args) -> dict:
 
 
 def run_variant(name: str, args, prompts, base: dict | None) -> dict:
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.recipes import build_trainer
 
     config, extra = VARIANTS[name]
@@ -103,8 +103,7 @@ def run_variant(name: str, args, prompts, base: dict | None) -> dict:
                 print(f"  {name}: iteration {it}, {train_seconds / 60:.2f} min, train reward {record['reward_mean']:.3f}, "
                       f"held-out acc {acc:.3f}", flush=True)
     finally:
-        if trainer._pool is not None:
-            trainer._pool.shutdown(wait=True)
+        trainer.reward_pool.shutdown()
     secs = [r["seconds"] for r in records]
     steps = cfg.sampling.num_steps
     nfe = statistics.mean(r["nfe_per_image"] for r in records) if "nfe_per_image" in records[0] else float(steps)

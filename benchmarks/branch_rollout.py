@@ -8,7 +8,7 @@ Both sides produce the same final images (``prompts x branch^len(splits)``) in o
 the same adapter, kernel (Flow-GRPO SDE, a = 0.7), schedule, CFG and chunk size (nodes or samples
 per batched forward; CFG doubles the rows):
 
-- **tree**: :func:`diffalign.tree_rollout.sample_tree`, one tree per prompt, all nodes of a depth
+- **tree**: :func:`diffalign.sampling.tree.sample_tree`, one tree per prompt, all nodes of a depth
   across all trees batched in chunks of ``--chunk`` nodes;
 - **linear**: :func:`diffalign.sampling.sample_linear` on the same number of independent samples
   in chunks of ``--chunk``.
@@ -90,7 +90,7 @@ class Side:
 def main(argv=None) -> dict:
     from diffalign.algorithms.branch_grpo import TreeStructure
     from diffalign.sampling import build_kernel, sample_linear
-    from diffalign.tree_rollout import expected_forwards, sample_tree
+    from diffalign.sampling.tree import expected_forwards, sample_tree
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="sd3-small")

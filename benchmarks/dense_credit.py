@@ -62,7 +62,7 @@ def heldout_accuracy(trainer, prompts, args) -> dict:
 
 
 def run_method(name: str, overrides: list[str], budget_s: float, prompts: list[str], args, offset_s: float = 0.0) -> dict:
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.recipes import build_trainer
 
     out_dir = Path(args.out) / name
@@ -90,9 +90,8 @@ def run_method(name: str, overrides: list[str], budget_s: float, prompts: list[s
                       file=sys.stderr, flush=True)
                 next_eval = train_s + args.eval_every
     finally:
-        pool = getattr(trainer, "_pool", None)  # the reward worker thread of score_async
-        if pool is not None:
-            pool.shutdown(wait=True)
+        if trainer.reward_pool is not None:  # the reward worker thread of score_async
+            trainer.reward_pool.shutdown()
     spent = train_s - offset_s
     return {"method": name, "iterations": it, "seconds_per_iteration": spent / max(it, 1), "curve": curve,
             "train_reward_mean": [r.get("reward_mean") for r in records], "offset_seconds": offset_s}

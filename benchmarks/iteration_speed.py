@@ -32,7 +32,7 @@ SETTINGS = {
 def main(argv=None) -> int:
     import torch
 
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.recipes import build_trainer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 def main(argv=None) -> dict:
     from diffalign.adapters import load_adapter
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.evaluation import LEGEND, comparison_columns, evaluate_shapes, format_table
     from diffalign.export import load_trained_adapter
     from diffalign.recipes import build_trainer

@@ -66,8 +66,10 @@ def load_model(name: str):
 
 def main(argv=None) -> dict:
     from diffalign.algorithms.sol_rl import kendall_tau, select_indices, topk_hit_rate
-    from diffalign.quantize import QUANT_FORMATS, LowPrecisionCopy, QuantConfig, UnsupportedFormatError, resolve_format, velocity_error
-    from diffalign.seeded import sample_seeded, seed_noise
+    from diffalign.sol_rl.fidelity import velocity_error
+    from diffalign.sol_rl.policy_copy import LowPrecisionCopy
+    from diffalign.sol_rl.quantize import QUANT_FORMATS, QuantConfig, UnsupportedFormatError, resolve_format
+    from diffalign.sampling.seeded import sample_seeded, seed_noise
 
     import reward_models
 

@@ -59,7 +59,7 @@ class Run:
 
 
 def main(argv=None) -> dict:
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.evaluation import evaluate_adapter
     from diffalign.recipes import build_trainer
     from diffalign.shapes import split_prompts
@@ -133,8 +133,7 @@ def main(argv=None) -> dict:
     plot(runs, out / "accuracy_vs_time.png")
     print(f"wrote {out / 'result.json'} and {out / 'accuracy_vs_time.png'}")
     for r in runs:
-        if r.trainer._pool is not None:
-            r.trainer._pool.shutdown(wait=True)
+        r.trainer.reward_pool.shutdown()
     return result
 
 

@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     import torch
 
     import reward_models
-    from diffalign.drm.model import check_compatible, model_time
+    from diffalign.drm.model import check_compatible
+    from diffalign.forward_process import model_time
     from diffalign.drm.sampling import load_model, stepwise_sample
     from diffalign.evaluation import format_table
     from diffalign.sampling import build_kernel, draw_noise

@@ -40,7 +40,7 @@ METRICS = ("eval/acc/images", "eval/reward_mean", "eval/acc/overall")  # pass ra
 
 
 def run_variant(config: str, name: str, overrides: list[str], out: Path, iterations: int, extra: list[str]) -> dict:
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.recipes import build_trainer
 
     run_dir = out / "runs" / name

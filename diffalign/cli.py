@@ -17,7 +17,7 @@ EXIT_USAGE = 2
 
 
 def _cmd_train(args) -> int:
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.recipes import build_trainer
 
     cfg = load_config(args.config, args.overrides)
@@ -31,7 +31,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_resume(args) -> int:
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.recipes import build_trainer
 
     run_dir = Path(args.run_dir)
@@ -45,7 +45,7 @@ def _cmd_resume(args) -> int:
 
 
 def _cmd_config(args) -> int:
-    from diffalign.config import dump_config, load_config
+    from diffalign.config_files import dump_config, load_config
 
     cfg = load_config(args.config, args.overrides)
     print(dump_config(cfg), end="")
@@ -195,7 +195,7 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_train_spm(args) -> int:
-    from diffalign.spm_training import load_spm_config, train_spm
+    from diffalign.spo.train import load_spm_config, train_spm
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).is_file():  # no CONFIG, only overrides
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-spm", help="train a step-aware preference model (SPO) on preference pairs: "
                                          "diffalign train-spm [CONFIG] [key=value ...]")
-    p.add_argument("config", nargs="?", help="YAML config (diffalign.spm_training.SPMTrainConfig); optional")
+    p.add_argument("config", nargs="?", help="YAML config (diffalign.spo.train.SPMTrainConfig); optional")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. pairs.file=data/pairs.jsonl")
     p.add_argument("--overwrite", action="store_true", help="replace a previous SPM in output_dir")
     p.set_defaults(fn=_cmd_train_spm)

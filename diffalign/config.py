@@ -1,7 +1,8 @@
 """Typed run configuration: dataclasses, loaded from YAML with ``dotted.key=value`` overrides.
 
-One config per run. Every field has a comment. Loading validates types and values and raises
-:class:`~diffalign.errors.ConfigError` with a message naming the offending key. The
+One config per run. Every field has a comment. Loading (:mod:`diffalign.config_files`) validates
+types and values and raises :class:`~diffalign.errors.ConfigError` with a message naming the
+offending key. The
 ``algorithm`` section is typed by ``algorithm.name`` through :data:`ALGORITHM_CONFIGS`, so each
 algorithm owns its own knobs without touching the others.
 """
@@ -10,14 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
-
-import yaml
+from typing import Literal, Optional
 
 from diffalign.errors import ConfigError
 from diffalign.algorithms.grpo_guard import GuardOptions
@@ -36,7 +32,7 @@ class ModelConfig:
     revision: Optional[str] = None  # hub revision (branch, tag or commit)
 
     def validate(self) -> None:
-        _check(self.resolution >= 0 and self.resolution % 8 == 0, "model.resolution", "must be 0 or a positive multiple of 8")
+        check(self.resolution >= 0 and self.resolution % 8 == 0, "model.resolution", "must be 0 or a positive multiple of 8")
 
 
 @dataclass
@@ -49,8 +45,8 @@ class LoraConfig:
     dropout: float = 0.0
 
     def validate(self) -> None:
-        _check(self.rank > 0, "lora.rank", "must be > 0")
-        _check(self.alpha > 0, "lora.alpha", "must be > 0")
+        check(self.rank > 0, "lora.rank", "must be > 0")
+        check(self.alpha > 0, "lora.alpha", "must be > 0")
 
 
 @dataclass
@@ -70,15 +66,15 @@ class SamplingConfig:
     window_stride: int = 1  # steps moved per slide; wraps to window_start past the end
 
     def validate(self) -> None:
-        _check(self.num_steps >= 1, "sampling.num_steps", "must be >= 1")
-        _check(self.eval_num_steps >= 1, "sampling.eval_num_steps", "must be >= 1")
-        _check(self.noise_level >= 0, "sampling.noise_level", "must be >= 0")
-        _check(0 <= self.window_size <= self.num_steps, "sampling.window_size", f"must be in [0, num_steps={self.num_steps}]")
+        check(self.num_steps >= 1, "sampling.num_steps", "must be >= 1")
+        check(self.eval_num_steps >= 1, "sampling.eval_num_steps", "must be >= 1")
+        check(self.noise_level >= 0, "sampling.noise_level", "must be >= 0")
+        check(0 <= self.window_size <= self.num_steps, "sampling.window_size", f"must be in [0, num_steps={self.num_steps}]")
         if self.window_size:
-            _check(0 <= self.window_start <= self.num_steps - self.window_size, "sampling.window_start",
+            check(0 <= self.window_start <= self.num_steps - self.window_size, "sampling.window_start",
                    f"must be in [0, num_steps - window_size = {self.num_steps - self.window_size}]")
-        _check(self.window_slide_every >= 1, "sampling.window_slide_every", "must be >= 1")
-        _check(self.window_stride >= 1, "sampling.window_stride", "must be >= 1")
+        check(self.window_slide_every >= 1, "sampling.window_slide_every", "must be >= 1")
+        check(self.window_stride >= 1, "sampling.window_stride", "must be >= 1")
 
 
 @dataclass
@@ -89,9 +85,9 @@ class RolloutConfig:
     overlap_rewards: bool = True  # score batch k in a worker thread while batch k+1 is sampled
 
     def validate(self) -> None:
-        _check(self.prompts_per_iteration >= 1, "rollout.prompts_per_iteration", "must be >= 1")
-        _check(self.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages need a group)")
-        _check(self.sample_batch_size >= 1, "rollout.sample_batch_size", "must be >= 1")
+        check(self.prompts_per_iteration >= 1, "rollout.prompts_per_iteration", "must be >= 1")
+        check(self.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages need a group)")
+        check(self.sample_batch_size >= 1, "rollout.sample_batch_size", "must be >= 1")
 
 
 @dataclass
@@ -117,9 +113,9 @@ class PromptsConfig:
 
     def validate(self) -> None:
         if self.source == "list":
-            _check(len(self.train) > 0, "prompts.train", "must list at least one prompt when prompts.source=list")
+            check(len(self.train) > 0, "prompts.train", "must list at least one prompt when prompts.source=list")
         if self.source == "file":
-            _check(self.file is not None, "prompts.file", "is required when prompts.source=file")
+            check(self.file is not None, "prompts.file", "is required when prompts.source=file")
 
 
 @dataclass
@@ -134,12 +130,12 @@ class OptimConfig:
     use_8bit_adam: bool = False  # adamw: bitsandbytes AdamW8bit (GPU only)
 
     def validate(self) -> None:
-        _check(self.lr > 0, "optim.lr", "must be > 0")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two numbers in [0, 1)")
-        _check(0 <= self.momentum < 1, "optim.momentum", "must be in [0, 1)")
-        _check(self.momentum == 0 or self.name == "sgd", "optim.momentum", "applies to optim.name=sgd only")
-        _check(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
-        _check(not (self.use_8bit_adam and self.name == "sgd"), "optim.use_8bit_adam",
+        check(self.lr > 0, "optim.lr", "must be > 0")
+        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two numbers in [0, 1)")
+        check(0 <= self.momentum < 1, "optim.momentum", "must be in [0, 1)")
+        check(self.momentum == 0 or self.name == "sgd", "optim.momentum", "applies to optim.name=sgd only")
+        check(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
+        check(not (self.use_8bit_adam and self.name == "sgd"), "optim.use_8bit_adam",
                "selects bitsandbytes AdamW8bit; it needs optim.name=adamw")
 
 
@@ -150,8 +146,8 @@ class EmaConfig:
     every: int = 8  # ... applied every 8 optimizer steps
 
     def validate(self) -> None:
-        _check(0 <= self.decay < 1, "train.ema.decay", "must be in [0, 1)")
-        _check(self.every >= 1, "train.ema.every", "must be >= 1")
+        check(0 <= self.decay < 1, "train.ema.decay", "must be in [0, 1)")
+        check(self.every >= 1, "train.ema.every", "must be >= 1")
 
 
 def native_bf16(device, cpu_flags: set[str] | None = None) -> bool:
@@ -208,11 +204,11 @@ class TrainConfig:
         return "bf16" if native_bf16(device) else "no"
 
     def validate(self) -> None:
-        _check(self.zero_stage in (0, 1, 2) and not isinstance(self.zero_stage, bool), "train.zero_stage",
+        check(self.zero_stage in (0, 1, 2) and not isinstance(self.zero_stage, bool), "train.zero_stage",
                "must be 0, 1 or 2 (ZeRO-3 partitions the weights the rollouts read; use FSDP for that)")
-        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
-        _check(self.optimizer_steps_per_iteration >= 1, "train.optimizer_steps_per_iteration", "must be >= 1")
-        _check(self.inner_epochs >= 1, "train.inner_epochs", "must be >= 1")
+        check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
+        check(self.optimizer_steps_per_iteration >= 1, "train.optimizer_steps_per_iteration", "must be >= 1")
+        check(self.inner_epochs >= 1, "train.inner_epochs", "must be >= 1")
         self.ema.validate()
 
 
@@ -229,11 +225,11 @@ class EvalConfig:
     use_ema: bool = True  # evaluate (and export as final/) the EMA weights when EMA is enabled
 
     def validate(self) -> None:
-        _check(self.every >= 0, "eval.every", "must be >= 0")
-        _check(self.num_prompts >= 0, "eval.num_prompts", "must be >= 0 (0 = all)")
-        _check(self.images_per_family >= 1, "eval.images_per_family", "must be >= 1")
-        _check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
-        _check(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
+        check(self.every >= 0, "eval.every", "must be >= 0")
+        check(self.num_prompts >= 0, "eval.num_prompts", "must be >= 0 (0 = all)")
+        check(self.images_per_family >= 1, "eval.images_per_family", "must be >= 1")
+        check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
+        check(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
 
 
 @dataclass
@@ -272,10 +268,10 @@ class FlowGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard
     logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims
 
     def validate(self) -> None:
-        _check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
-        _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
-        _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
-        _check(0 < self.train_timestep_fraction <= 1, "algorithm.train_timestep_fraction", "must be in (0, 1]")
+        check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
+        check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
+        check(self.beta >= 0, "algorithm.beta", "must be >= 0")
+        check(0 < self.train_timestep_fraction <= 1, "algorithm.train_timestep_fraction", "must be in (0, 1]")
         self.validate_guard()
 
 
@@ -314,8 +310,8 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self) -> None:
-        _check(self.max_iterations >= 0, "max_iterations", "must be >= 0")
-        _check(bool(self.output_dir), "output_dir", "must not be empty")
+        check(self.max_iterations >= 0, "max_iterations", "must be >= 0")
+        check(bool(self.output_dir), "output_dir", "must not be empty")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if hasattr(value, "validate"):
@@ -338,177 +334,20 @@ class RunConfig:
         }
 
 
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-
-def _check(ok: bool, key: str, message: str) -> None:
+def check(ok: bool, key: str, message: str) -> None:
+    """Raise ``ConfigError`` naming ``key`` unless ``ok`` (the validators of every config section use it)."""
     if not ok:
         raise ConfigError(f"config key '{key}' {message}")
 
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+# Reading configs (YAML, overrides, coercion) lives in diffalign.config_files, which imports this
+# module; its public functions stay importable from here, the documented entry point.
+_FILE_FUNCTIONS = ("load_config", "dump_config", "read_yaml", "apply_overrides", "parse_override", "from_dict", "to_dict")
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check / convert ``value`` to the annotated type ``tp``; errors name ``key``."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"config key '{key}' has an invalid value {value!r}")
-    if origin is Literal:
-        if isinstance(value, bool) and ("no" if not value else "yes") in args:
-            value = "no" if not value else "yes"  # YAML 1.1 reads a bare no / yes as a boolean
-        if value not in args:
-            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(str, args))}; got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key '{key}' must be a list; got {value!r}")
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}' must be a mapping; got {value!r}")
-        return dict(value)
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, key)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"config key '{key}' must be true or false; got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"config key '{key}' must be an integer; got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads "1e-4" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"config key '{key}' must be a number; got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"config key '{key}' must be a string; got {value!r}")
-    return value
+def __getattr__(name: str):
+    if name in _FILE_FUNCTIONS:
+        from diffalign import config_files
 
-
-def from_dict(cls, data: Any, prefix: str = ""):
-    """Build dataclass ``cls`` from a mapping, rejecting unknown keys (named in the error)."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config key '{prefix or '<root>'}' must be a mapping; got {data!r}")
-    if cls is AlgorithmConfig or (prefix == "algorithm" and issubclass(cls, AlgorithmConfig)):
-        name = data.get("name", "flow_grpo")
-        _ensure_algorithms_registered(name)
-        if name not in ALGORITHM_CONFIGS:
-            raise ConfigError(f"config key 'algorithm.name' is unknown: {name!r}; known: {', '.join(sorted(ALGORITHM_CONFIGS))}")
-        cls = ALGORITHM_CONFIGS[name]
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            full = f"{prefix}.{key}" if prefix else str(key)
-            raise ConfigError(f"unknown config key '{full}' (known in this section: {', '.join(sorted(names))})")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            full = f"{prefix}.{f.name}" if prefix else f.name
-            kwargs[f.name] = _coerce(data[f.name], hints[f.name], full)
-    return cls(**kwargs)
-
-
-def _ensure_algorithms_registered(name: str | None = None) -> None:
-    # Algorithms outside this module register their configs on import: import the recipe
-    # module registered for `name` (diffalign.recipes._RECIPES) when its config is not known yet.
-    import importlib
-
-    recipes = importlib.import_module("diffalign.recipes")
-    if name is not None and name not in ALGORITHM_CONFIGS and name in recipes._RECIPES:
-        importlib.import_module(recipes._RECIPES[name].partition(":")[0])
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like dotted.key=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            if node.get(part) is None:
-                node[part] = {}
-            if not isinstance(node[part], dict):
-                raise ConfigError(f"override {text!r}: '{part}' is not a section")
-            node = node[part]
-        node[path[-1]] = value
-    return data
-
-
-def read_yaml(path: str | os.PathLike) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
-    return data
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
-    """YAML file (optional) + ``key=value`` overrides -> validated :class:`RunConfig`."""
-    data = dict(base or {})
-    if path is not None:
-        data.update(read_yaml(path))
-    data = apply_overrides(data, list(overrides))
-    cfg = from_dict(RunConfig, data)
-    cfg.validate()
-    return cfg
-
-
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+        return getattr(config_files, name)
+    raise AttributeError(f"module 'diffalign.config' has no attribute {name!r}")

@@ -41,8 +41,9 @@ def noise_level(adapter: ModelAdapter, t: torch.Tensor) -> torch.Tensor:
 
 
 def model_time(adapter: ModelAdapter, tau: torch.Tensor) -> torch.Tensor:
-    """Model times for noise levels ``tau`` in ``[0, 1)``: sigma for flow models, the integer DDPM
-    index ``floor(tau * T)`` (as float) for epsilon models."""
+    """Model times for noise levels ``tau`` in ``[0, 1]``: sigma for flow models; for epsilon models
+    with N training timesteps the integer DDPM index ``min(floor(tau * N), N - 1)`` (as float):
+    index ``i`` covers ``tau`` in ``[i / N, (i + 1) / N)`` and ``tau = 1`` maps to the last index."""
     tau = torch.as_tensor(tau, dtype=torch.float32)
     if adapter.prediction_type == "flow":
         return tau.clamp(0.0, 1.0)
@@ -52,7 +53,7 @@ def model_time(adapter: ModelAdapter, tau: torch.Tensor) -> torch.Tensor:
 
 def add_noise(adapter: ModelAdapter, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``x_t`` for clean latents ``x0`` ``(B, *latent)``, noise of the same shape and model times ``t`` ``(B,)``."""
-    x0, noise = x0.float(), noise.float()
+    x0, noise = x0.float(), noise.float().to(x0.device)
     if adapter.prediction_type == "flow":
         s = _bcast(t, x0)
         return (1.0 - s) * x0 + s * noise
@@ -81,8 +82,14 @@ def encode_images(adapter: ModelAdapter, images: torch.Tensor) -> torch.Tensor:
     if vae is None:
         return x
     encoded = vae.encode(x.to(vae.dtype))
-    # AutoencoderKL returns a posterior (take its mean); Sana's deterministic DC-AE a latent
-    z = (encoded.latent_dist.mean if hasattr(encoded, "latent_dist") else encoded.latent).float()
+    # AutoencoderKL returns a posterior (take its mean), a tiny autoencoder latents, Sana's DC-AE a latent
+    if hasattr(encoded, "latent_dist"):
+        z = encoded.latent_dist.mean
+    elif hasattr(encoded, "latents"):
+        z = encoded.latents
+    else:
+        z = encoded.latent
+    z = z.float()
     cfg = vae.config
     mean, std = getattr(cfg, "latents_mean", None), getattr(cfg, "latents_std", None)
     if adapter.family == "sdxl" and mean is not None and std is not None:

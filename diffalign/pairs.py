@@ -2,26 +2,33 @@
 
 Pick-a-Pic (Kirstain et al. 2023) stores one comparison per row: ``caption``, two images
 ``jpg_0`` / ``jpg_1`` and ``label_0`` / ``label_1`` with ``label_0`` in {1 (image 0 preferred),
-0 (image 1 preferred), 0.5 (tie)} and ``label_1 = 1 - label_0``. diffalign reads the same
-columns from
+0 (image 1 preferred), 0.5 (tie)} and ``label_1 = 1 - label_0`` (``label_0`` is read as
+``1 - label_1`` when only ``label_1`` is given). ``prompt`` and ``image_0`` / ``image_1`` are
+accepted as aliases; rows with a false ``has_label`` are skipped. Files:
 
-- a JSON-lines file (or a folder holding ``pairs.jsonl``) whose ``jpg_0`` / ``jpg_1`` are image
-  paths relative to the file, one JSON object per line:
+- JSON lines (or a folder holding ``pairs.jsonl``) whose images are paths relative to the file,
+  one JSON object per line:
   ``{"caption": "a photo of a red circle", "jpg_0": "images/0_a.png", "jpg_1": "images/0_b.png", "label_0": 1}``;
-- a Parquet file with the Pick-a-Pic columns (image bytes inline; needs ``pyarrow``).
+- ``.json`` (a list of such rows) or ``.csv``;
+- Parquet with the Pick-a-Pic columns (image bytes inline, or ``{"bytes": ..., "path": ...}`` as
+  Hugging Face ``datasets`` writes them; needs ``pyarrow``).
 
-Everything is checked on load; a missing or unreadable image, a label outside {0, 0.5, 1}, or a
-``label_1`` that is not ``1 - label_0`` is a one-line :class:`PairFileError` naming the file and
-line. Images are held in memory as uint8 (fine for the ShapesWorld and for subsets of Pick-a-Pic;
-the full 1M-pair set needs a streaming loader, which this module does not provide).
+Every row is checked and every referenced image found before any is decoded; a problem is a
+one-line :class:`PairFileError` naming the file and line. Two in-memory forms:
 
-:func:`generate_pairs` makes such a set from any model and any registered reward: sample
-``images_per_prompt`` images per prompt with the deterministic sampler, score them, and label
-every pair of images of the same prompt by their rewards (equal rewards: a tie).
+- :class:`PairSet`: uint8 images (SPO's preference model, Diffusion-DPO); fine for the
+  ShapesWorld and for subsets of Pick-a-Pic (the full 1M-pair set needs a streaming loader);
+- :class:`LatentPairs`: clean latents of one model plus index pairs (the DRM, which noises them).
+
+:func:`generate_pairs` / :func:`generate_latent_pairs` make such sets from any model and any
+registered reward: sample several images per prompt deterministically, score them, and label the
+pairs of images of the same prompt by their rewards (:func:`label_pairs`).
 """
 
 from __future__ import annotations
 
+import base64
+import csv
 import io
 import json
 import math
@@ -38,6 +45,8 @@ from diffalign.errors import DiffalignError
 PAIRS_FILE = "pairs.jsonl"
 IMAGES_DIR = "images"
 LABELS = (0.0, 0.5, 1.0)
+PROMPT_KEYS = ("caption", "prompt")
+IMAGE_KEYS = (("jpg_0", "image_0"), ("jpg_1", "image_1"))
 
 
 class PairFileError(DiffalignError):
@@ -99,120 +108,209 @@ class PairSet:
                        [x for p in items for x in p.prompts], torch.cat([p.label_0 for p in items]))
 
 
+@dataclass
+class LatentPairs:
+    """Pairs over clean latents (the DRM's training data). ``latents``: (S, *latent) fp32;
+    ``prompts``: S strings; ``pairs``: (P, 2) long indices of the two samples of each pair;
+    ``label_0``: (P,) fp32, 1 when the first is preferred, 0 when the second is, 0.5 for a tie;
+    ``rewards``: (S,) when generated, else None."""
+
+    latents: torch.Tensor
+    prompts: list[str]
+    pairs: torch.Tensor
+    label_0: torch.Tensor
+    rewards: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return self.pairs.shape[0]
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor]:
+        """(x0 of image 0 (b, *latent), x0 of image 1, prompts (b), label_0 (b,)) for pair rows ``idx``."""
+        a, b = self.pairs[idx, 0], self.pairs[idx, 1]
+        return self.latents[a], self.latents[b], [self.prompts[int(i)] for i in a], self.label_0[idx]
+
+    def subset(self, idx: torch.Tensor) -> "LatentPairs":
+        return LatentPairs(self.latents, self.prompts, self.pairs[idx], self.label_0[idx], self.rewards)
+
+    def split(self, eval_fraction: float, generator: torch.Generator) -> tuple["LatentPairs", "LatentPairs"]:
+        """(train, eval) pairs by a random split of the *prompts* (no prompt in both)."""
+        first_prompt = [self.prompts[int(i)] for i in self.pairs[:, 0]]
+        unique = list(dict.fromkeys(first_prompt))
+        order = torch.randperm(len(unique), generator=generator).tolist()
+        n_eval = max(1, round(eval_fraction * len(unique))) if len(unique) > 1 else 0
+        held = {unique[i] for i in order[:n_eval]}
+        is_eval = torch.tensor([p in held for p in first_prompt], dtype=torch.bool)
+        return self.subset(torch.nonzero(~is_eval).flatten()), self.subset(torch.nonzero(is_eval).flatten())
+
+
 # --------------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------------
 
 
 def _label(value, where: str, key: str) -> float:
+    if isinstance(value, str):  # CSV cells
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) not in LABELS:
         raise PairFileError(f"{where}: {key} must be 0, 0.5 or 1, got {value!r}")
     return float(value)
 
 
-def _decode(data: bytes | str | Path, where: str, resolution: Optional[int]) -> np.ndarray:
-    """Image file / bytes -> uint8 (H, W, 3), resized (bicubic) to ``resolution`` when given."""
-    from PIL import Image, UnidentifiedImageError
-
+def _records(p: Path) -> list[tuple[str, object]]:
+    """(where, record) of every row of a pair file: ``file:line`` for JSON lines, ``file row n`` else."""
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise PairFileError(f"reading {str(p)!r} needs pyarrow (pip install pyarrow), or convert it to pairs.jsonl") from None
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except Exception as exc:
+            raise PairFileError(f"pair file {str(p)!r} is not a readable Parquet file ({type(exc).__name__})") from None
+        return [(f"{p} row {n}", r) for n, r in enumerate(rows)]
     try:
-        src = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else str(data)
-        with Image.open(src) as img:
-            img = img.convert("RGB")
-            if resolution and img.size != (resolution, resolution):
-                img = img.resize((resolution, resolution), Image.BICUBIC)
-            return np.asarray(img, dtype=np.uint8).copy()
-    except FileNotFoundError:
-        raise PairFileError(f"{where}: image {str(data)!r} does not exist") from None
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        what = f"{str(data)!r}" if not isinstance(data, (bytes, bytearray)) else "(inline bytes)"
-        raise PairFileError(f"{where}: image {what} cannot be read ({type(exc).__name__})") from None
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PairFileError(f"pair file {str(p)!r} cannot be read ({type(exc).__name__})") from None
+    if suffix == ".csv":
+        return [(f"{p} row {n}", r) for n, r in enumerate(csv.DictReader(io.StringIO(text)), start=1)]
+    if suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except ValueError:
+            raise PairFileError(f"pair file {str(p)!r}: not valid JSON") from None
+        if not isinstance(rows, list):
+            raise PairFileError(f"pair file {str(p)!r} must hold a JSON list of rows")
+        return [(f"{p} row {n}", r) for n, r in enumerate(rows, start=1)]
+    out = []  # JSON lines
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                out.append((f"{p}:{n}", json.loads(line)))
+            except ValueError:
+                raise PairFileError(f"{p}:{n}: not valid JSON") from None
+    return out
 
 
-def _build(rows: list[tuple[str, np.ndarray, np.ndarray, float]], source: str) -> PairSet:
-    if not rows:
-        raise PairFileError(f"pair file {source!r} holds no pairs")
-    shapes = {r[1].shape for r in rows} | {r[2].shape for r in rows}
-    if len(shapes) > 1:
-        raise PairFileError(f"pair file {source!r}: images differ in size {sorted(shapes)[:3]}; pass a resolution to resize them")
-    to_tensor = lambda arrays: torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # noqa: E731
-    return PairSet(to_tensor([r[1] for r in rows]), to_tensor([r[2] for r in rows]), [r[0] for r in rows],
-                   torch.tensor([r[3] for r in rows], dtype=torch.float32))
+def _get(row: dict, keys: Sequence[str]):
+    for k in keys:
+        if row.get(k) is not None and row[k] != "":
+            return row[k]
+    return None
 
 
-def _check_record(record, where: str) -> tuple[str, float]:
-    if not isinstance(record, dict):
-        raise PairFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    for key in ("caption", "jpg_0", "jpg_1", "label_0"):
-        if key not in record:
-            raise PairFileError(f"{where}: missing key {key!r} (Pick-a-Pic layout: caption, jpg_0, jpg_1, label_0[, label_1])")
-    if not isinstance(record["caption"], str):
-        raise PairFileError(f"{where}: caption must be a string")
-    label_0 = _label(record["label_0"], where, "label_0")
-    if record.get("label_1") is not None:
-        label_1 = _label(record["label_1"], where, "label_1")
-        if label_1 != 1.0 - label_0:
-            raise PairFileError(f"{where}: label_1 = {label_1:g} must equal 1 - label_0 = {1 - label_0:g}")
-    return record["caption"], label_0
+def _image_ref(value, folder: Path):
+    """Image bytes, or a Path (relative to the file's folder); ``base64:`` strings are decoded."""
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str) and value.startswith("base64:"):
+        return base64.b64decode(value[len("base64:"):])
+    if isinstance(value, str):
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else folder / p
+    return None
 
 
-def read_pairs(path: str | Path, *, resolution: Optional[int] = None, limit: int = 0) -> PairSet:
-    """Read a pair file (see the module docstring); ``limit`` > 0 reads the first ``limit`` pairs."""
+def read_pair_rows(path: str | Path, *, drop_ties: bool = False, limit: int = 0) -> list[dict]:
+    """Rows ``{"prompt", "image_0", "image_1", "label_0", "where"}`` of a pair file (images as bytes
+    or Paths), checked, after finding every referenced image; ``limit`` > 0 keeps the first rows."""
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / PAIRS_FILE
     if not p.is_file():
         raise PairFileError(f"pair file {str(path)!r} does not exist")
-    if p.suffix == ".parquet":
-        return _read_parquet(p, resolution, limit)
-    rows = []
-    try:
-        lines = p.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PairFileError(f"pair file {str(p)!r} cannot be read ({type(exc).__name__})") from None
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
+    out, missing = [], []
+    for where, record in _records(p):
+        if not isinstance(record, dict):
+            raise PairFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        if "has_label" in record and str(record["has_label"]).strip().lower() in ("0", "false", "no", ""):
             continue
-        where = f"{p}:{n}"
-        try:
-            record = json.loads(line)
-        except ValueError:
-            raise PairFileError(f"{where}: not valid JSON") from None
-        caption, label_0 = _check_record(record, where)
-        images = []
-        for key in ("jpg_0", "jpg_1"):
-            if not isinstance(record[key], str):
-                raise PairFileError(f"{where}: {key} must be an image path relative to the file")
-            images.append(_decode(p.parent / record[key], where, resolution))
-        rows.append((caption, images[0], images[1], label_0))
-        if limit and len(rows) >= limit:
+        prompt = _get(record, PROMPT_KEYS)
+        refs = [_image_ref(_get(record, keys), p.parent) for keys in IMAGE_KEYS]
+        for key, value in (("caption", prompt), ("jpg_0", refs[0]), ("jpg_1", refs[1])):
+            if value is None:
+                raise PairFileError(f"{where}: missing key {key!r} (Pick-a-Pic layout: caption, jpg_0, jpg_1, label_0[, label_1])")
+        if not isinstance(prompt, str):
+            raise PairFileError(f"{where}: caption must be a string")
+        label_1 = _label(record["label_1"], where, "label_1") if record.get("label_1") not in (None, "") else None
+        if record.get("label_0") in (None, ""):
+            if label_1 is None:
+                raise PairFileError(f"{where}: missing key 'label_0' (Pick-a-Pic layout: caption, jpg_0, jpg_1, label_0[, label_1])")
+            label_0 = 1.0 - label_1
+        else:
+            label_0 = _label(record["label_0"], where, "label_0")
+        if label_1 is not None and label_1 != 1.0 - label_0:
+            raise PairFileError(f"{where}: label_1 = {label_1:g} must equal 1 - label_0 = {1 - label_0:g}")
+        if drop_ties and label_0 == 0.5:
+            continue
+        missing += [(where, r) for r in refs if isinstance(r, Path) and not r.is_file()]
+        out.append({"prompt": prompt, "image_0": refs[0], "image_1": refs[1], "label_0": label_0, "where": where})
+        if limit and len(out) >= limit:
             break
-    return _build(rows, str(p))
+    if missing:
+        where, ref = missing[0]
+        raise PairFileError(f"{where}: image {str(ref)!r} does not exist ({len(missing)} image(s) missing in the file)")
+    if not out:
+        raise PairFileError(f"pair file {str(p)!r} holds no pairs")
+    return out
 
 
-def _read_parquet(p: Path, resolution: Optional[int], limit: int) -> PairSet:
+def decode_image(ref, where: str, resolution: Optional[int], *, center_crop: bool = False) -> np.ndarray:
+    """Image file / bytes -> uint8 (H, W, 3), centre-cropped to a square when asked and resized
+    (bicubic) to ``resolution`` when given."""
+    from PIL import Image, UnidentifiedImageError
+
     try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise PairFileError(f"reading {str(p)!r} needs pyarrow (pip install pyarrow), or convert it to pairs.jsonl") from None
-    try:
-        table = pq.read_table(p, columns=None)
-    except Exception as exc:
-        raise PairFileError(f"pair file {str(p)!r} is not a readable Parquet file ({type(exc).__name__})") from None
-    rows = []
-    for n, record in enumerate(table.to_pylist()):
-        where = f"{p} row {n}"
-        caption, label_0 = _check_record(record, where)
-        images = []
-        for key in ("jpg_0", "jpg_1"):
-            value = record[key]
-            value = value.get("bytes") if isinstance(value, dict) else value
-            if not isinstance(value, (bytes, bytearray)):
-                raise PairFileError(f"{where}: {key} must hold image bytes")
-            images.append(_decode(value, where, resolution))
-        rows.append((caption, images[0], images[1], label_0))
-        if limit and len(rows) >= limit:
-            break
-    return _build(rows, str(p))
+        with Image.open(io.BytesIO(ref) if isinstance(ref, (bytes, bytearray)) else str(ref)) as img:
+            img = img.convert("RGB")
+            if center_crop:
+                side = min(img.size)
+                left, top = (img.width - side) // 2, (img.height - side) // 2
+                img = img.crop((left, top, left + side, top + side))
+            if resolution and img.size != (resolution, resolution):
+                img = img.resize((resolution, resolution), Image.BICUBIC)
+            return np.asarray(img, dtype=np.uint8).copy()
+    except FileNotFoundError:
+        raise PairFileError(f"{where}: image {str(ref)!r} does not exist") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        what = f"{str(ref)!r}" if not isinstance(ref, (bytes, bytearray)) else "(inline bytes)"
+        raise PairFileError(f"{where}: image {what} cannot be read ({type(exc).__name__})") from None
+
+
+def read_pairs(path: str | Path, *, resolution: Optional[int] = None, limit: int = 0) -> PairSet:
+    """Read a pair file (see the module docstring) as images; ``limit`` > 0 reads the first ``limit`` pairs."""
+    rows = read_pair_rows(path, limit=limit)
+    images = [[decode_image(r[k], r["where"], resolution) for k in ("image_0", "image_1")] for r in rows]
+    shapes = {a.shape for pair in images for a in pair}
+    if len(shapes) > 1:
+        raise PairFileError(f"pair file {str(path)!r}: images differ in size {sorted(shapes)[:3]}; pass a resolution to resize them")
+    to_tensor = lambda arrays: torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()  # noqa: E731
+    return PairSet(to_tensor([a for a, _ in images]), to_tensor([b for _, b in images]), [r["prompt"] for r in rows],
+                   torch.tensor([r["label_0"] for r in rows], dtype=torch.float32))
+
+
+@torch.no_grad()
+def load_latent_pairs(path: str | Path, adapter, resolution: int, *, drop_ties: bool = False,
+                      batch_size: int = 16) -> LatentPairs:
+    """Read a pair file and encode its images (centre crop, resize) to the adapter's latents."""
+    from diffalign.forward_process import encode_images
+
+    rows = read_pair_rows(path, drop_ties=drop_ties)
+    refs = [(r[k], r["where"]) for r in rows for k in ("image_0", "image_1")]
+    latents = []
+    for s in range(0, len(refs), batch_size):
+        arrays = [decode_image(ref, where, resolution, center_crop=True) for ref, where in refs[s : s + batch_size]]
+        images = torch.from_numpy(np.stack(arrays).astype(np.float32) / 255.0).permute(0, 3, 1, 2)
+        latents.append(encode_images(adapter, images).float().cpu())
+    prompts = [r["prompt"] for r in rows for _ in range(2)]
+    pairs = torch.arange(2 * len(rows)).view(-1, 2)
+    return LatentPairs(torch.cat(latents), prompts, pairs, torch.tensor([r["label_0"] for r in rows], dtype=torch.float32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,17 +341,19 @@ def write_pairs(pairs: PairSet, folder: str | Path) -> Path:
     return out
 
 
-def label_pairs(rewards: torch.Tensor, group_size: int, keep_ties: bool = True) -> list[tuple[int, int, float]]:
-    """All within-group pairs ``(i, j, label_0)`` of consecutive groups of ``group_size`` rewards:
-    ``label_0 = 1`` if ``r_i > r_j``, 0 if lower, 0.5 if equal (dropped unless ``keep_ties``).
-    Non-finite rewards take part in no pair."""
+def label_pairs(rewards: torch.Tensor, group_size: int, keep_ties: bool = True,
+                tie_tolerance: float = 0.0) -> list[tuple[int, int, float]]:
+    """All within-group pairs ``(i, j, label_0)``, ``i < j``, of consecutive groups of ``group_size``
+    rewards: ``label_0 = 1`` if ``r_i > r_j``, 0 if lower, 0.5 if they are within ``tie_tolerance``
+    (dropped unless ``keep_ties``). Non-finite rewards take part in no pair."""
     out = []
     r = rewards.float()
     for start in range(0, len(r), group_size):
         for i, j in combinations(range(start, min(start + group_size, len(r))), 2):
-            if not (math.isfinite(float(r[i])) and math.isfinite(float(r[j]))):
+            ri, rj = float(r[i]), float(r[j])
+            if not (math.isfinite(ri) and math.isfinite(rj)):
                 continue
-            label = 1.0 if r[i] > r[j] else 0.0 if r[i] < r[j] else 0.5
+            label = 0.5 if abs(ri - rj) <= tie_tolerance else 1.0 if ri > rj else 0.0
             if label == 0.5 and not keep_ties:
                 continue
             out.append((i, j, label))
@@ -311,3 +411,60 @@ def generate_pairs(
     stats = {"images": len(expanded), "pairs": len(pairs), "ties": ties,
              "reward_mean": float(rewards_t[finite].mean()) if finite.any() else float("nan")}
     return pairs, stats
+
+
+@torch.no_grad()
+def generate_latent_pairs(
+    adapter,
+    prompts: Sequence[str],
+    reward_fn: Callable,
+    *,
+    samples_per_prompt: int,
+    num_steps: int,
+    guidance_scale: float,
+    resolution: int,
+    seed: int,
+    batch_size: int = 32,
+    max_pairs_per_prompt: int = 6,
+    tie_tolerance: float = 1e-6,
+    log: Callable[[str], None] = lambda msg: None,
+) -> LatentPairs:
+    """Sample ``samples_per_prompt`` images per prompt (ODE, one noise per sample from ``seed``),
+    score them with ``reward_fn`` and pair samples of the same prompt whose rewards differ by more
+    than ``tie_tolerance`` (:func:`label_pairs`; up to ``max_pairs_per_prompt`` random pairs per
+    prompt, the preferred sample first or second with equal odds). Keeps the final latents."""
+    import reward_models
+    from diffalign.sampling import build_kernel, sample_linear
+
+    gen = torch.Generator("cpu").manual_seed(seed)
+    sample_prompts = [p for p in prompts for _ in range(samples_per_prompt)]
+    kernel = build_kernel(adapter, "ddim" if adapter.prediction_type == "epsilon" else "flow_grpo", 0.0)
+    schedule = adapter.make_schedule(num_steps, resolution, resolution)
+    ode = torch.zeros(num_steps, dtype=torch.bool)
+    latents, rewards = [], []
+    for start in range(0, len(sample_prompts), batch_size):
+        chunk = sample_prompts[start : start + batch_size]
+        embeds = adapter.encode_prompts(chunk, with_uncond=guidance_scale > 1)
+        traj = sample_linear(adapter, kernel, embeds, schedule, ode, guidance_scale=guidance_scale, height=resolution,
+                             width=resolution, generator=gen, keep_latents=False)
+        latents.append(traj.latents[:, -1].float().cpu())
+        scores = reward_fn(traj.images, chunk, [{} for _ in chunk])
+        rewards.append(reward_models.check_reward_output("pairs.reward", scores, len(chunk)))
+        log(f"  generated {min(start + batch_size, len(sample_prompts))}/{len(sample_prompts)} samples")
+    latents_t, rewards_t = torch.cat(latents), torch.cat(rewards)
+    pairs, labels = [], []
+    for p in range(len(prompts)):
+        base = p * samples_per_prompt
+        group = rewards_t[base : base + samples_per_prompt]
+        cand = [(base + i, base + j, y) for i, j, y in label_pairs(group, samples_per_prompt, keep_ties=False,
+                                                                  tie_tolerance=tie_tolerance)]
+        if len(cand) > max_pairs_per_prompt:
+            pick = torch.randperm(len(cand), generator=gen)[:max_pairs_per_prompt].tolist()
+            cand = [cand[i] for i in sorted(pick)]
+        for a, b, y in cand:
+            if torch.rand((), generator=gen) < 0.5:  # preferred image first or second with equal odds
+                a, b, y = b, a, 1.0 - y
+            pairs.append((a, b))
+            labels.append(y)
+    pair_t = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+    return LatentPairs(latents_t, sample_prompts, pair_t, torch.tensor(labels, dtype=torch.float32), rewards_t)

@@ -50,7 +50,7 @@ def _plot_curves(records: list[dict], evals: list[dict], path: Path) -> None:
 
 
 def _read_eval_records(run_dir: Path, iteration: int) -> dict | None:
-    from diffalign.trainer import eval_records_path
+    from diffalign.training.evaluator import eval_records_path
 
     path = eval_records_path(run_dir, iteration)
     if not path.is_file():

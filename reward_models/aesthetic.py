@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffalign.errors import RewardError
-from reward_models._weights import load_state_dict, resolve_weights_file
 from reward_models.base import check_images, register
-from reward_models.clip_score import ClipImageTransform, _first_line, _looks_like_path, _parse_dtype, _pooled
+from reward_models.clip_score import ClipImageTransform
+from reward_models.loading import first_line, load_state_dict, looks_like_path, parse_dtype, pooled_output, resolve_weights_file
 
 DEFAULT_AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
 DEFAULT_AESTHETIC_HEAD_REPO = "camenduru/improved-aesthetic-predictor"
@@ -71,7 +71,7 @@ def load_aesthetic_head(source: str, filename: str = DEFAULT_AESTHETIC_HEAD_FILE
     try:
         head.load_state_dict(state)
     except RuntimeError as exc:  # missing / unexpected keys or shapes of another architecture
-        raise RewardError(f"aesthetic: {path!r} does not fit the 1024-128-64-16-1 head: {_first_line(exc)}") from None
+        raise RewardError(f"aesthetic: {path!r} does not fit the 1024-128-64-16-1 head: {first_line(exc)}") from None
     return head
 
 
@@ -98,7 +98,7 @@ class AestheticScore:
         dtype: str | torch.dtype | None = None,
         batch_size: int = 32,
     ) -> None:
-        torch_dtype = _parse_dtype(dtype)
+        torch_dtype = parse_dtype(dtype)
         mlp = load_aesthetic_head(str(head), head_filename)
         vision, processor_config = self._load_vision(str(clip_model), torch_dtype)
         self._setup(vision, mlp, processor_config, device, torch_dtype, batch_size)
@@ -117,16 +117,16 @@ class AestheticScore:
         """Wrap a built ``CLIPModel`` or ``CLIPVisionModelWithProjection`` and head (moved and frozen
         in place). ``dtype=None`` keeps the CLIP model's dtype."""
         self = cls.__new__(cls)
-        torch_dtype = _parse_dtype(dtype) if dtype is not None else next(clip_model.parameters()).dtype
+        torch_dtype = parse_dtype(dtype) if dtype is not None else next(clip_model.parameters()).dtype
         self._setup(clip_model, head, image_processor_config, device, torch_dtype, batch_size)
         self.model_id = type(clip_model).__name__
         return self
 
     @staticmethod
     def _load_vision(model: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any] | None]:
-        if _looks_like_path(model) and not os.path.isdir(os.path.expanduser(model)):
+        if looks_like_path(model) and not os.path.isdir(os.path.expanduser(model)):
             raise RewardError(f"aesthetic: CLIP model folder {model!r} does not exist")
-        path = os.path.expanduser(model) if _looks_like_path(model) else model
+        path = os.path.expanduser(model) if looks_like_path(model) else model
         from transformers import AutoConfig, CLIPVisionModelWithProjection  # lazy: transformers is slow to import
         from transformers.image_processing_utils import ImageProcessingMixin
         from transformers.utils import logging as hf_logging
@@ -150,7 +150,7 @@ class AestheticScore:
             finally:
                 hf_logging.set_verbosity(verbosity)
         except Exception as exc:  # OSError (offline, missing files), ValueError (bad config), ...
-            raise RewardError(f"aesthetic: cannot load CLIP model {model!r}: {_first_line(exc)}") from None
+            raise RewardError(f"aesthetic: cannot load CLIP model {model!r}: {first_line(exc)}") from None
         broken = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
         if broken:
             raise RewardError(f"aesthetic: CLIP model {model!r} lacks or mis-sizes weights {broken[:3]}")
@@ -194,7 +194,7 @@ class AestheticScore:
 
     def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if hasattr(self.model, "get_image_features"):  # a full CLIPModel
-            return _pooled(self.model.get_image_features(pixel_values=pixel_values))
+            return pooled_output(self.model.get_image_features(pixel_values=pixel_values))
         return self.model(pixel_values=pixel_values).image_embeds  # CLIPVisionModelWithProjection
 
     def image_embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ lazily inside the factories; every factory takes a ``device`` keyword instead of
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -46,6 +46,12 @@ def register(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., Rew
         return factory
 
     return deco
+
+
+def registered(name: str) -> Optional[Callable[..., RewardFn]]:
+    """The factory registered under ``name`` (a class or function), or None; builds nothing."""
+    _import_builtin()
+    return _REGISTRY.get(name)
 
 
 def available() -> list[str]:

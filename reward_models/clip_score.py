@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from diffalign.errors import RewardError
 from reward_models.base import check_images, register
+from reward_models.loading import first_line, looks_like_path, parse_dtype, pooled_output
 
 DEFAULT_CLIP_MODEL = "openai/clip-vit-large-patch14"
 DEFAULT_SCALE = 100.0  # torchmetrics' CLIPScore weight; Hessel et al. use 2.5
@@ -112,34 +113,6 @@ class ClipImageTransform:
         return (x - mean) / std
 
 
-def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    if dtype is None:
-        return torch.float32  # fp32 by default: bf16 is a speed choice the caller makes
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-    parsed = getattr(torch, aliases.get(str(dtype), str(dtype)), None)
-    if not isinstance(parsed, torch.dtype):
-        raise RewardError(f"clip_score: unknown dtype {dtype!r}; use float32, float16 or bfloat16")
-    return parsed
-
-
-def _looks_like_path(model: str) -> bool:
-    # Hub ids are "name" or "namespace/name"; anything else is meant as a local folder.
-    return os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1 or "\\" in model
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _pooled(features: Any) -> torch.Tensor:
-    # transformers 5 returns a model output with the projected embedding in pooler_output;
-    # transformers 4 returned the tensor itself.
-    return features if isinstance(features, torch.Tensor) else features.pooler_output
-
-
 @register("clip_score")
 class ClipScore:
     """CLIP score reward; see the module docstring for the formula.
@@ -163,7 +136,7 @@ class ClipScore:
         scale: float = DEFAULT_SCALE,
         clip_negative: bool = False,
     ) -> None:
-        torch_dtype = _parse_dtype(dtype)
+        torch_dtype = parse_dtype(dtype)
         clip_model, tokenizer, processor_config = self._load(str(model), torch_dtype)
         self._setup(clip_model, tokenizer, processor_config, device, torch_dtype, batch_size, scale, clip_negative)
         self.model_id = str(model)
@@ -186,16 +159,16 @@ class ClipScore:
         ``dtype=None`` keeps the model's own dtype. The model is moved, set to eval and frozen in place.
         """
         self = cls.__new__(cls)
-        torch_dtype = _parse_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
+        torch_dtype = parse_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
         self._setup(model, tokenizer, image_processor_config, device, torch_dtype, batch_size, scale, clip_negative)
         self.model_id = type(model).__name__
         return self
 
     @staticmethod
     def _load(model: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, dict[str, Any] | None]:
-        if _looks_like_path(model) and not os.path.isdir(os.path.expanduser(model)):
+        if looks_like_path(model) and not os.path.isdir(os.path.expanduser(model)):
             raise RewardError(f"clip_score: model folder {model!r} does not exist")
-        path = os.path.expanduser(model) if _looks_like_path(model) else model
+        path = os.path.expanduser(model) if looks_like_path(model) else model
         from transformers import AutoTokenizer, CLIPModel  # lazy: transformers takes seconds to import
         from transformers.image_processing_utils import ImageProcessingMixin
 
@@ -203,7 +176,7 @@ class ClipScore:
             clip_model = CLIPModel.from_pretrained(path, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as exc:  # OSError (offline, missing files), ValueError (bad id / config), ...
-            raise RewardError(f"clip_score: cannot load CLIP model {model!r}: {_first_line(exc)}") from None
+            raise RewardError(f"clip_score: cannot load CLIP model {model!r}: {first_line(exc)}") from None
         try:
             processor_config, _ = ImageProcessingMixin.get_image_processor_dict(path)
         except (OSError, ValueError):  # no preprocessor_config.json: CLIP's defaults apply
@@ -244,7 +217,7 @@ class ClipScore:
     def image_embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Preprocessed pixels ``(B, 3, h, w)`` -> unit-norm float32 embeddings ``(B, D)``."""
         chunks = [
-            _pooled(self.model.get_image_features(pixel_values=chunk)) for chunk in pixel_values.split(self.batch_size)
+            pooled_output(self.model.get_image_features(pixel_values=chunk)) for chunk in pixel_values.split(self.batch_size)
         ]
         return F.normalize(torch.cat(chunks).float(), dim=-1)
 
@@ -262,7 +235,7 @@ class ClipScore:
             features = self.model.get_text_features(
                 input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
             )
-            chunks.append(_pooled(features))
+            chunks.append(pooled_output(features))
         return F.normalize(torch.cat(chunks).float(), dim=-1)
 
     def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

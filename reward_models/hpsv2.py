@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from diffalign.errors import RewardError
-from reward_models._weights import resolve_weights_file
 from reward_models.base import register
-from reward_models.clip_score import ClipImageTransform, ClipScore, _first_line, _parse_dtype
+from reward_models.clip_score import ClipImageTransform, ClipScore
+from reward_models.loading import first_line, parse_dtype, resolve_weights_file
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"2.0": "HPS_v2_compressed.pt", "2.1": "HPS_v2.1_compressed.pt"}
@@ -50,7 +50,7 @@ def import_open_clip(reward: str) -> Any:
         import open_clip
     except Exception as exc:  # ModuleNotFoundError, or a torchvision built for another torch
         raise RewardError(
-            f"{reward} needs open_clip, which cannot be imported ({_first_line(exc)}): "
+            f"{reward} needs open_clip, which cannot be imported ({first_line(exc)}): "
             "pip install 'diffalign[rewards]' with a matching torch/torchvision pair, "
             "e.g. torch==2.14.1 torchvision==0.29.1"
         ) from None
@@ -105,7 +105,7 @@ class HPSv2(ClipScore):
         if version not in HPS_FILES:
             raise RewardError(f"hpsv2: unknown version {version!r}; use one of {sorted(HPS_FILES)}")
         self.name = "hpsv2" if version == "2.0" else "hpsv2.1"
-        torch_dtype = _parse_dtype(dtype)
+        torch_dtype = parse_dtype(dtype)
         open_clip = import_open_clip(self.name)
         if ":" not in architecture and architecture not in open_clip.list_models():  # "hf-hub:" names pass
             message = f"unknown open_clip architecture {architecture!r} (HPS uses {HPS_ARCHITECTURE!r})"
@@ -135,7 +135,7 @@ class HPSv2(ClipScore):
     ) -> "HPSv2":
         """Wrap a built open_clip ``CLIP`` model and its tokenizer (moved and frozen in place)."""
         self = cls.__new__(cls)
-        torch_dtype = _parse_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
+        torch_dtype = parse_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
         self._setup_open_clip(model, tokenizer, device, torch_dtype, batch_size)
         self.model_id = type(model).__name__
         return self

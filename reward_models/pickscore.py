@@ -21,7 +21,8 @@ import torch
 
 from diffalign.errors import RewardError
 from reward_models.base import register
-from reward_models.clip_score import ClipScore, _first_line, _looks_like_path, _parse_dtype
+from reward_models.clip_score import ClipScore
+from reward_models.loading import first_line, looks_like_path, parse_dtype
 
 DEFAULT_PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 DEFAULT_PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"  # tokenizer + preprocessor_config.json
@@ -29,7 +30,7 @@ DEFAULT_PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"  # tokeniz
 
 def _hub_or_folder(reward: str, what: str, name: str) -> str:
     """A hub id as is, or an existing local folder (expanded); a missing folder is a RewardError."""
-    if not _looks_like_path(name):
+    if not looks_like_path(name):
         return name
     path = os.path.expanduser(name)
     if not os.path.isdir(path):
@@ -55,7 +56,7 @@ class PickScore(ClipScore):
         dtype: str | torch.dtype | None = None,
         batch_size: int = 32,
     ) -> None:
-        torch_dtype = _parse_dtype(dtype)
+        torch_dtype = parse_dtype(dtype)
         clip_model, tokenizer, processor_config = self._load_pickscore(str(model), str(processor), torch_dtype)
         # The learned temperature is read before any cast: bf16 would round exp(t) = 100 to 100 +- 0.4.
         scale = float(clip_model.logit_scale.detach().float().exp())
@@ -86,12 +87,12 @@ class PickScore(ClipScore):
         try:
             clip_model = CLIPModel.from_pretrained(model_path, dtype=dtype)
         except Exception as exc:  # OSError (offline, missing files), ValueError (bad config), ...
-            raise RewardError(f"pickscore: cannot load model {model!r}: {_first_line(exc)}") from None
+            raise RewardError(f"pickscore: cannot load model {model!r}: {first_line(exc)}") from None
         try:
             tokenizer = AutoTokenizer.from_pretrained(processor_path)
             processor_config, _ = ImageProcessingMixin.get_image_processor_dict(processor_path)
         except Exception as exc:
-            raise RewardError(f"pickscore: cannot load processor {processor!r}: {_first_line(exc)}") from None
+            raise RewardError(f"pickscore: cannot load processor {processor!r}: {first_line(exc)}") from None
         return clip_model, tokenizer, processor_config
 
     def score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

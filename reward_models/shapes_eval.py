@@ -1,7 +1,7 @@
 """ShapesEval: a GenEval-style verifier for the coloured-shapes world, without learned weights.
 
 Each image is read with classical vision and checked against the prompt's requirements as
-defined by :func:`diffalign.shapes.world.requirements_met`:
+defined by :func:`diffalign.shapes.scenes.requirements_met`:
 
 1. Foreground: pixels whose RGB distance from the background exceeds ``FG_THRESHOLD``.
 2. Connected components (8-connected). Components smaller than ``MIN_OBJECT_AREA_PX`` are
@@ -36,7 +36,8 @@ import torch
 
 from diffalign.errors import RewardError
 from diffalign.shapes import world
-from diffalign.shapes.world import BACKGROUND, COLORS, FAMILIES, PromptSpec, parse_prompt, requirements_met
+from diffalign.shapes.scenes import requirements_met
+from diffalign.shapes.world import BACKGROUND, COLORS, FAMILIES, PromptSpec, parse_prompt
 from reward_models.base import check_images, register
 
 # Thresholds. Pixel quantities are for 32x32 images and scale with the image side (areas with

@@ -1,4 +1,4 @@
-"""``spm``: a step-aware preference model (:mod:`diffalign.spm`) as a reward that takes a timestep.
+"""``spm``: a step-aware preference model (:mod:`diffalign.spo.model`) as a reward that takes a timestep.
 
 As a plain reward (``reward(images, prompts, metadata)``) it scores clean images (noise level
 ``t``, default 0) or, per sample, at ``metadata[i]["noise_level"]`` when given. Methods that
@@ -38,15 +38,15 @@ class StepAwarePreference:
 
     def __init__(self, model: str = "tiny:shapes", processor: Optional[str] = None, t: float = 0.0,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, batch_size: int = 64):
-        from diffalign.spm import load_spm
-        from reward_models.clip_score import _parse_dtype
+        from diffalign.spo.model import load_spm
+        from reward_models.loading import parse_dtype
 
         if not 0.0 <= float(t) <= 1.0:
             raise RewardError(f"spm: t must be a noise level in [0, 1], got {t!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise RewardError(f"spm: batch_size must be a positive integer, got {batch_size!r}")
         self.device = torch.device(device if device is not None else "cpu")
-        self.model = load_spm(str(model), processor=processor, device=self.device, dtype=_parse_dtype(dtype))
+        self.model = load_spm(str(model), processor=processor, device=self.device, dtype=parse_dtype(dtype))
         self.model.eval().requires_grad_(False)
         self.model_id = str(model)
         self.t = float(t)

@@ -53,7 +53,7 @@ def gaussian_log_prob(
     ``"sum"`` (the true joint log-density). ``std`` must be > 0 and broadcast to ``x``. ``x`` is
     treated as an observed action: no gradient flows through it.
     """
-    _check_reduction(reduction)
+    check_reduction(reduction)
     x = x.detach().float()
     mean = mean.float()
     std = torch.as_tensor(std, dtype=torch.float32, device=mean.device)
@@ -67,12 +67,12 @@ def gaussian_log_prob(
 # --------------------------------------------------------------------------- helpers for kernels
 
 
-def _check_reduction(reduction: str) -> None:
+def check_reduction(reduction: str) -> None:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
-def _check_noise_level(name: str, value: float, upper: Optional[float] = None) -> None:
+def check_noise_level(name: str, value: float, upper: Optional[float] = None) -> None:
     if not (value >= 0.0) or (upper is not None and value > upper):
         bound = f"[0, {upper}]" if upper is not None else ">= 0"
         raise ValueError(f"{name} must be {bound}, got {value!r}")

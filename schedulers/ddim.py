@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from .common import Scalar, StepOutput, _check_noise_level, _check_reduction, as_fp32, sample_or_score
+from .common import Scalar, StepOutput, check_noise_level, check_reduction, as_fp32, sample_or_score
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")  # what the model's output means
 
@@ -78,8 +78,8 @@ def ddim_step_with_logprob(
     """
     if prediction_type not in PREDICTION_TYPES:
         raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
-    _check_noise_level("eta", eta, upper=1.0)  # eta > 1 makes 1 - abar_t' - std^2 negative
-    _check_reduction(reduction)
+    check_noise_level("eta", eta, upper=1.0)  # eta > 1 makes 1 - abar_t' - std^2 negative
+    check_reduction(reduction)
     if model_output.shape != sample.shape:
         raise ValueError(f"model_output shape {tuple(model_output.shape)} != sample shape {tuple(sample.shape)}")
     x = sample.float()

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .common import Scalar, StepOutput, _check_noise_level, _check_reduction, as_fp32, per_sample, sample_or_score
+from .common import Scalar, StepOutput, check_noise_level, check_reduction, as_fp32, per_sample, sample_or_score
 
 STD_SCHEDULES = ("cps", "stepwise")  # std rules of cps_sde_step
 
@@ -90,8 +90,8 @@ def flow_grpo_sde_step(
     starting at 1). ``log_prob`` is the full Gaussian log-density reduced by ``reduction``,
     matching the reference code.
     """
-    _check_noise_level("noise_level", noise_level)
-    _check_reduction(reduction)
+    check_noise_level("noise_level", noise_level)
+    check_reduction(reduction)
     v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample)
     if noise_level == 0:
         return _euler(v, x, s, s_next, prev_sample)
@@ -138,8 +138,8 @@ def cps_sde_step(
     """
     if std_schedule not in STD_SCHEDULES:
         raise ValueError(f"std_schedule must be one of {STD_SCHEDULES}, got {std_schedule!r}")
-    _check_noise_level("noise_level", noise_level, upper=1.0)  # keeps std <= s' (real sqrt)
-    _check_reduction(reduction)
+    check_noise_level("noise_level", noise_level, upper=1.0)  # keeps std <= s' (real sqrt)
+    check_reduction(reduction)
     v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample)
     if noise_level == 0:
         return _euler(v, x, s, s_next, prev_sample)
@@ -176,8 +176,8 @@ def dance_sde_step(
 
     Use with the shifted schedule :func:`~schedulers.timesteps.shifted_sigmas`.
     """
-    _check_noise_level("noise_level", noise_level)
-    _check_reduction(reduction)
+    check_noise_level("noise_level", noise_level)
+    check_reduction(reduction)
     v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample)
     if noise_level == 0:
         return _euler(v, x, s, s_next, prev_sample)

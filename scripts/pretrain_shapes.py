@@ -230,7 +230,8 @@ def main(argv=None) -> None:
     diffusers_logging.disable_progress_bar()
     from diffalign.shapes.model import TINY_CONFIG, ShapesModelConfig, build_pipeline
     from diffalign.shapes.pipeline import DEFAULT_GUIDANCE_SCALE, ShapesPipeline
-    from diffalign.shapes.world import make_batch, split_prompts
+    from diffalign.shapes.scenes import make_batch
+    from diffalign.shapes.world import split_prompts
 
     cfg_scale = DEFAULT_GUIDANCE_SCALE if args.cfg is None else args.cfg
     split = split_prompts(seed=0)

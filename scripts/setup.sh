@@ -20,5 +20,7 @@ if ! python -c "import deepspeed" 2>/dev/null; then
   python -m pip install --quiet "setuptools>=70.1"  # builds wheels without the 'wheel' package
   DS_BUILD_OPS=0 python -m pip install --quiet --no-build-isolation "deepspeed>=0.16,<0.20"
 fi
-python -m pip install --quiet -e ".[dev,demo]"
+# quant: torchao, bitsandbytes and optimum-quanto CPU wheels, so that the low-precision policy copies
+# (int8 / int4 / fp8 weight-only emulation) are tested for real
+python -m pip install --quiet -e ".[dev,demo,quant]"
 python -c "import diffalign, torch; print(f'diffalign {diffalign.__version__} ready (torch {torch.__version__})')"

@@ -4,7 +4,7 @@ what a sharding defect that loses one sample does."""
 
 import sys
 
-from diffalign.config import load_config
+from diffalign.config_files import load_config
 from diffalign.recipes import build_trainer
 
 

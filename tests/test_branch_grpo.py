@@ -21,7 +21,7 @@ from diffalign.algorithms.branch_grpo import (
 )
 from diffalign.cli import main
 from diffalign.sampling import build_kernel, sample_linear
-from diffalign.tree_rollout import expected_forwards, sample_tree
+from diffalign.sampling.tree import expected_forwards, sample_tree
 
 SD3 = "configs/tiny/branch_grpo_sd3.yaml"
 FLUX = "configs/tiny/branch_grpo_flux.yaml"

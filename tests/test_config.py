@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from diffalign.config import FlowGRPOConfig, RunConfig, apply_overrides, dump_config, load_config
+from diffalign.config import FlowGRPOConfig, RunConfig
+from diffalign.config_files import apply_overrides, dump_config, load_config
 from diffalign.errors import ConfigError
 
 
@@ -75,7 +76,7 @@ def test_optimizer_settings_that_do_not_combine(tmp_path, overrides, key):
 
 
 def test_optim_name_picks_the_optimizer():
-    from diffalign.trainer import make_optimizer
+    from diffalign.training.backend import make_optimizer
 
     params = [torch.nn.Parameter(torch.ones(3))]
     assert RunConfig().optim.name == "adamw"

@@ -18,7 +18,7 @@ from tests.helpers.tiny_run import trained_run
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "artifacts"  # screenshots land here (ignored by git)
 CHROMIUM = "/usr/bin/chromium"
-# Flags for Debian's chromium in a sandbox-less container without network (see docs/environment).
+# Flags for Debian's chromium in a sandbox-less container without network (see docs/environment.md).
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 NEEDS_GRADIO = "the demo needs gradio: pip install gradio gradio_client"

@@ -9,10 +9,10 @@ import torch
 
 from diffalign.algorithms.diffusion_nft import ema_update_, nft_loss, old_policy_decay, optimality_probability
 from diffalign.cli import main
-from diffalign.config import load_config
+from diffalign.config_files import load_config
 from diffalign.recipes import build_trainer
 from diffalign.recipes.diffusion_nft import OLD_ADAPTER, DiffusionNFTTrainer
-from diffalign.trainer import SelfCheckError
+from diffalign.training.checks import SelfCheckError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny/diffusion_nft_sd3.yaml"
@@ -206,7 +206,7 @@ def test_self_check_catches_a_broken_old_adapter(trainer):
 
 
 def test_rollout_samples_are_seeded_odes_of_the_old_policy(trainer):
-    from diffalign.seeded import sample_seeded
+    from diffalign.sampling.seeded import sample_seeded
 
     tr = trainer
     samples = tr.rollout(0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,10 +86,56 @@ def test_forward_process_flow_and_epsilon():
     # predicting with the true noise recovers x0 exactly (the noising matches the adapter's Tweedie)
     x_t = add_noise(eps_model, x0[:1], eps[:1], t[1:2])
     torch.testing.assert_close(eps_model.to_x0(eps[:1], x_t, t[1:2]), x0[:1], rtol=1e-4, atol=1e-4)
-    # a VAE latent decodes to an image of the same size; encode inverts decode up to the VAE's error
-    images = torch.rand(1, 3, 32, 32)
-    z = encode_images(eps_model, images)
-    assert z.shape == (1, *eps_model.latent_shape(32, 32))
+    images = torch.rand(2, 3, 32, 32)
+    assert encode_images(eps_model, images).shape == (2, *eps_model.latent_shape(32, 32))
+
+
+class InvertibleVAE(torch.nn.Module):
+    """A "VAE" whose decoder inverts its encoder exactly (pixel unshuffle, then an affine map), with
+    SD's latent scaling and a shift, and a posterior whose sample differs from its mean."""
+
+    def __init__(self, shift_factor=None):
+        super().__init__()
+        self.config = SimpleNamespace(scaling_factor=0.18215, shift_factor=shift_factor, latents_mean=None, latents_std=None)
+        self.register_buffer("anchor", torch.zeros(1))
+
+    @property
+    def dtype(self):
+        return self.anchor.dtype
+
+    @property
+    def device(self):
+        return self.anchor.device
+
+    def encode(self, x):
+        mean = torch.nn.functional.pixel_unshuffle(x, 8) * 3.0 + 0.5
+        return SimpleNamespace(latent_dist=SimpleNamespace(mean=mean, sample=lambda: mean + torch.randn_like(mean)))
+
+    def decode(self, z, return_dict=False):
+        return (torch.nn.functional.pixel_shuffle((z - 0.5) / 3.0, 8),)
+
+
+@pytest.mark.parametrize("shift", [None, 0.1159])
+def test_encode_images_inverts_the_adapters_decode(shift):
+    """decode(encode(images)) gives the images back to fp32 rounding when the VAE itself is
+    invertible: the latent normalisation, the posterior mean and the [0, 1] -> [-1, 1] map are
+    those the adapter's decode undoes. Each way of getting one of them wrong misses by more than 0.01 (a thousand times that)."""
+    from diffalign.adapters import load_adapter
+    from diffalign.forward_process import encode_images
+
+    adapter = load_adapter("tiny:sd15")
+    vae = InvertibleVAE(shift)
+    adapter.pipeline.vae = vae
+    images = torch.rand(2, 3, 32, 32)
+    torch.testing.assert_close(adapter.decode(encode_images(adapter, images)), images, rtol=0, atol=1e-5)
+    shift = shift or 0.0
+    post = vae.encode(images * 2 - 1).latent_dist
+    broken = {"unscaled": post.mean - shift, "sampled": (post.sample() - shift) * 0.18215,
+              "unshifted": post.mean * 0.18215, "no 2x - 1": (vae.encode(images).latent_dist.mean - shift) * 0.18215}
+    if not shift:
+        del broken["unshifted"]
+    for name, z in broken.items():
+        assert float((adapter.decode(z) - images).abs().mean()) > 0.01, name
 
 
 # ---------------------------------------------------------------- the recipe

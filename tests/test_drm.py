@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import reward_models
-from diffalign.algorithms.step_grpo import bradley_terry_loss, candidate_advantages, choose_continuation, pairwise_accuracy
+from diffalign.algorithms.continuation import choose_continuation
+from diffalign.algorithms.step_grpo import bradley_terry_loss, candidate_advantages, pairwise_accuracy
 from diffalign.cli import main
-from diffalign.config import load_config
-from diffalign.drm.model import DiffusionRewardModel, DRMError, add_noise, encode_images, model_time, num_droppable_blocks
-from diffalign.drm.pairs import PairSet, generate_pairs, load_pairs_file, read_pairs_file
+from diffalign.config_files import load_config
+from diffalign.drm.model import DiffusionRewardModel, DRMError, num_droppable_blocks
+from diffalign.forward_process import add_noise, encode_images, model_time
+from diffalign.pairs import LatentPairs, PairFileError, generate_latent_pairs, load_latent_pairs, read_pair_rows
 from diffalign.drm.sampling import stepwise_sample
 from diffalign.drm.train import accuracy_vs_t
 from diffalign.errors import ConfigError, RewardError
@@ -121,6 +123,15 @@ def test_noising_in_each_time_convention():
     assert torch.allclose(add_noise(fake, x0, eps + 1, t)[1], (abar.sqrt() + (1 - abar).sqrt()).expand(3))
 
 
+def test_one_time_rule_for_epsilon_models():
+    """Noise level tau -> DDPM index is min(floor(tau N), N - 1) for the DRM, the SPM and DPO alike,
+    with N = 1000 here: index i covers tau in [i / N, (i + 1) / N). The taus 0.0009 and 0.6
+    tell it from round(tau (N - 1)), the rule the DRM had (which gives 1 and 599)."""
+    fake = FakeEps()
+    taus = torch.tensor([0.0, 0.5, 0.9999, 1.0, 0.0009, 0.9995, 0.6])
+    assert model_time(fake, taus).tolist() == [0.0, 500.0, 999.0, 999.0, 0.0, 999.0, 600.0]
+
+
 # ---- the model ------------------------------------------------------------------------------
 def test_cut_unet_backbone_features_and_head():
     full = DiffusionRewardModel.from_base("tiny:shapes", drop_last_blocks=0, head_width=8)
@@ -200,16 +211,16 @@ def test_pick_a_pic_file(tmp_path):
     from diffalign.adapters import load_adapter
 
     path = pick_a_pic_file(tmp_path, n_rows=2)
-    rows = read_pairs_file(path)
+    rows = read_pair_rows(path)
     assert [r["label_0"] for r in rows] == [0.0, 1.0, 0.5, 0.0]  # has_label=false skipped; label_1=1 -> label_0=0
-    assert len(read_pairs_file(path, drop_ties=True)) == 3
-    pairs = load_pairs_file(path, load_adapter("tiny:shapes"), 32)
+    assert len(read_pair_rows(path, drop_ties=True)) == 3
+    pairs = load_latent_pairs(path, load_adapter("tiny:shapes"), 32)
     assert len(pairs) == 4 and pairs.latents.shape == (8, 3, 32, 32)
     assert torch.allclose(pairs.latents[0], torch.full((3, 32, 32), 2 * 20 / 255 - 1), atol=1e-6)  # centre crop, resize, 2x - 1
     assert pairs.prompts[:2] == ["a red circle 0"] * 2
     (tmp_path / "img" / "1_1.png").unlink()
-    with pytest.raises(DRMError, match=r"1 image\(s\) missing, first .*1_1.png"):
-        read_pairs_file(path)
+    with pytest.raises(PairFileError, match=r"pairs.jsonl:2: image .*1_1.png' does not exist"):
+        read_pair_rows(path)
 
 
 def test_generated_pairs_follow_the_reward():
@@ -217,7 +228,7 @@ def test_generated_pairs_follow_the_reward():
 
     adapter = load_adapter("tiny:shapes")
     reward = reward_models.build("brightness")
-    pairs = generate_pairs(adapter, ["a red circle", "a blue square"], reward, samples_per_prompt=3, num_steps=2,
+    pairs = generate_latent_pairs(adapter, ["a red circle", "a blue square"], reward, samples_per_prompt=3, num_steps=2,
                            guidance_scale=1.0, resolution=32, seed=0, max_pairs_per_prompt=2)
     assert 1 <= len(pairs) <= 4 and pairs.rewards.shape == (6,)
     for (a, b), y in zip(pairs.pairs.tolist(), pairs.label_0.tolist()):
@@ -234,7 +245,7 @@ def synthetic_brightness_pairs(n, generator):
     pairs = torch.stack([torch.arange(n), torch.arange(n) + n], 1)
     flip = torch.rand(n, generator=generator) < 0.5
     pairs[flip] = pairs[flip].flip(1)
-    return PairSet(latents.contiguous(), ["a red circle"] * (2 * n), pairs, (~flip).float())
+    return LatentPairs(latents.contiguous(), ["a red circle"] * (2 * n), pairs, (~flip).float())
 
 
 def test_drm_learns_a_preference_and_chance_at_pure_noise():

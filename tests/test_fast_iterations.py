@@ -7,7 +7,8 @@ import torch
 
 from diffalign.adapters._util import guided_forward
 from diffalign.adapters.base import PromptEmbeds
-from diffalign.config import TrainConfig, load_config, native_bf16
+from diffalign.config import native_bf16, TrainConfig
+from diffalign.config_files import load_config
 from diffalign.errors import ConfigError
 
 

@@ -73,11 +73,29 @@ def test_bad_fsdp_settings_exit_2(tmp_path, capsys, config, overrides, key):
     assert not out.exists()
 
 
-def test_fsdp_accelerate_config_ships():
-    import yaml
+def test_fsdp_accelerate_config_makes_an_fsdp_run(monkeypatch):
+    """A launch with the shipped configs/accelerate/fsdp.yaml is an FSDP run for diffalign: the
+    environment accelerate's launcher derives from the file turns FSDP on without train.fsdp, and
+    ZeRO next to it is refused."""
+    # accelerate's own launch path: parse, validate against the config file, build the environment
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env
 
-    shipped = yaml.safe_load(open("configs/accelerate/fsdp.yaml"))
-    assert shipped["distributed_type"] == "FSDP"
+    from diffalign import distributed
+    from diffalign.config_files import load_config
+    from diffalign.errors import ConfigError
+
+    args = launch_command_parser().parse_args(["--config_file", "configs/accelerate/fsdp.yaml", "train.py"])
+    env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    cfg = load_config("configs/tiny/flow_grpo_sd3.yaml")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert not distributed.fsdp_requested(cfg)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert distributed.fsdp_requested(cfg)
+    cfg.train.zero_stage = 2
+    with pytest.raises(ConfigError, match="exclude each other"):
+        distributed.fsdp_requested(cfg)
 
 
 def test_fsdp_stepwise_flow_grpo_matches_data_parallel(repo_root, tmp_path):

@@ -1,4 +1,4 @@
-"""The low-precision policy copy (diffalign.quantize): formats, fidelity, skip rules, re-sync.
+"""The low-precision policy copy (diffalign.sol_rl): formats, fidelity, skip rules, re-sync.
 
 Every format that runs here (natively or emulated) is built from a tiny SD3 with a trained-looking
 LoRA and compared with the full-precision model; formats that need hardware this machine lacks
@@ -12,10 +12,13 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from diffalign import quantize as q
+from diffalign.sol_rl import fidelity
+from diffalign.sol_rl import quantize as q
 from diffalign.adapters import load_adapter
 from diffalign.errors import ConfigError
-from diffalign.quantize import LowPrecisionCopy, QuantConfig, UnsupportedFormatError, resolve_format, velocity_error
+from diffalign.sol_rl.fidelity import velocity_error
+from diffalign.sol_rl.policy_copy import LowPrecisionCopy
+from diffalign.sol_rl.quantize import QuantConfig, UnsupportedFormatError, resolve_format
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
@@ -178,7 +181,7 @@ def test_skip_list_min_dim_alignment_and_first_parameter(sd3):
 def test_format_resolution_error_emulate_fallback(monkeypatch):
     # Hardware: NVFP4 needs a Blackwell GPU, FP8 an Ada/Hopper one; this test pretends to be a CPU.
     monkeypatch.setattr(q, "cuda_capability", lambda device: None)
-    monkeypatch.setattr(q, "_library_installed", lambda name: True)
+    monkeypatch.setattr(q, "library_installed", lambda name: True)
     with pytest.raises(UnsupportedFormatError, match=r"algorithm\.quant\.format.*nvfp4.*Blackwell") as exc:
         resolve_format(QuantConfig(format="nvfp4", on_unsupported="error"), "cpu")
     assert isinstance(exc.value, ConfigError)  # the CLI prints it as one line, exit 2
@@ -198,7 +201,7 @@ def test_format_resolution_error_emulate_fallback(monkeypatch):
 
 
 def test_missing_library_errors_or_falls_back(monkeypatch):
-    monkeypatch.setattr(q, "_library_installed", lambda name: name != "bitsandbytes")
+    monkeypatch.setattr(q, "library_installed", lambda name: name != "bitsandbytes")
     with pytest.raises(UnsupportedFormatError, match="bitsandbytes is not installed"):
         resolve_format(QuantConfig(format="bnb_nf4"), "cpu")
     with pytest.raises(UnsupportedFormatError, match="no emulation"):
@@ -234,14 +237,14 @@ def test_fidelity_report_rows(sd3, monkeypatch):
     adapter, *_ = sd3
     real = q.native_status
     monkeypatch.setattr(q, "native_status", lambda name, device: "pretend missing" if name == "quanto_int8" else real(name, device))
-    rows = q.fidelity_report(adapter, ["full", "bf16", "quanto_int8"], ["a cat", "a dog"], resolution=32, num_steps=2, repeats=1)
+    rows = fidelity.fidelity_report(adapter, ["full", "bf16", "quanto_int8"], ["a cat", "a dog"], resolution=32, num_steps=2, repeats=1)
     by = {r["format"]: r for r in rows}
     assert by["quanto_int8"]["status"] == "skipped" and "pretend missing" in by["quanto_int8"]["reason"]
     assert by["full"]["rel_l2"] < 1e-5 and by["full"]["status"] == "native"
     assert 0 < by["bf16"]["rel_l2"] < TOLERANCE["bf16"]
     for key in ("cosine", "bytes", "sync_s", "forward_s", "full_forward_s", "quantized_param_fraction"):
         assert key in by["bf16"]
-    assert "skipped" in q.format_fidelity_table(rows)
+    assert "skipped" in fidelity.format_fidelity_table(rows)
 
 
 def test_tensor_bytes_looks_through_quantised_tensors():
@@ -249,5 +252,5 @@ def test_tensor_bytes_looks_through_quantised_tensors():
         pytest.skip("torchao is not installed")
     layer = torch.nn.Linear(64, 64, bias=False)
     full = q.tensor_bytes(layer.weight)
-    quantised = q._quantize_linear(layer, "int8", "native", QuantConfig())
+    quantised = q.quantize_linear(layer, "int8", "native", QuantConfig())
     assert q.tensor_bytes(quantised.weight) < full / 3  # int8 data + per-row scales vs fp32

@@ -4,7 +4,7 @@ import json
 
 from diffalign.evaluation import Evaluation, interval_record
 from diffalign.report import write_report
-from diffalign.trainer import eval_records_path
+from diffalign.training.evaluator import eval_records_path
 
 
 def fake_records(passes: dict[str, list[list[bool]]]) -> list[dict]:

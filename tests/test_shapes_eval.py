@@ -9,17 +9,15 @@ from scipy import ndimage
 
 import reward_models
 from diffalign.errors import RewardError
+from diffalign.shapes.scenes import render, requirements_met, sample_scene
 from diffalign.shapes.world import (
     COLORS,
     FAMILIES,
+    NUMBER_WORDS,
     RELATIONS,
     SHAPES,
-    NUMBER_WORDS,
     all_prompts,
     parse_prompt,
-    render,
-    requirements_met,
-    sample_scene,
 )
 from reward_models.shapes_eval import ShapesEval
 

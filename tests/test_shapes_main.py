@@ -80,7 +80,7 @@ def test_eval_command_precision(repo_root, capsys):
 
 
 def test_eval_command_paired_difference_against_the_base(repo_root, tmp_path, capsys):
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.recipes import build_trainer
 
     run = tmp_path / "same"  # a run with no update: its difference against the base is exactly 0
@@ -115,9 +115,9 @@ def test_eval_command_bad_input_is_one_line(repo_root, capsys, args, message):
 def test_balanced_family_sampling(tmp_path):
     from collections import Counter
 
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.shapes import prompt_family
-    from diffalign.trainer import PromptSampler, resolve_prompts
+    from diffalign.prompts import PromptSampler, resolve_prompts
 
     cfg = load_config(None, [f"output_dir={tmp_path}", "prompts.balance_families=true"])
     train, heldout = resolve_prompts(cfg)
@@ -128,9 +128,9 @@ def test_balanced_family_sampling(tmp_path):
 
 
 def test_validation_mode_trains_and_evaluates_on_training_prompts_only(repo_root):
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.shapes import split_prompts, validation_split
-    from diffalign.trainer import resolve_prompts
+    from diffalign.prompts import resolve_prompts
 
     cfg = load_config(str(repo_root / MAIN), ["prompts.evaluate_on=validation", "prompts.balance_families=false"])
     train, evaluation = resolve_prompts(cfg)

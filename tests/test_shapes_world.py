@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from diffalign.shapes import world
+from diffalign.shapes.scenes import make_batch, relation_holds, render, render_prompt, requirements_met, sample_scene
 from diffalign.shapes.world import (
     BACKGROUND,
     COLORS,
@@ -19,14 +20,9 @@ from diffalign.shapes.world import (
     PromptError,
     all_prompts,
     evaluation_prompts,
-    make_batch,
     parse_prompt,
     prompt_atoms,
     prompt_family,
-    render,
-    render_prompt,
-    requirements_met,
-    sample_scene,
     split_prompts,
     validation_split,
     vocabulary,
@@ -194,7 +190,7 @@ def test_position_scenes_are_unambiguous():
         spec = parse_prompt(f"a photo of a circle {rel} a triangle")
         for _ in range(20):
             a, b = sorted(sample_scene(spec, rng), key=lambda o: o.shape != "circle")
-            holds = {r for r in world.RELATIONS if world.relation_holds(a, b, r)}
+            holds = {r for r in world.RELATIONS if relation_holds(a, b, r)}
             assert holds == {rel}
 
 

@@ -9,10 +9,10 @@ import torch
 
 from diffalign.algorithms.sol_rl import kendall_tau, select_indices, topk_hit_rate
 from diffalign.cli import main
-from diffalign.config import load_config
+from diffalign.config_files import load_config
 from diffalign.recipes import build_trainer
 from diffalign.recipes.sol_rl import SolRLConfig, SolRLGRPOTrainer, SolRLTrainer
-from diffalign.seeded import sample_seeded, seed_noise
+from diffalign.sampling.seeded import sample_seeded, seed_noise
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny/sol_rl_sd3.yaml"
@@ -205,7 +205,8 @@ def test_stage_two_regenerates_exactly_the_selected_seeds_at_full_precision(trai
 
 def test_full_precision_copy_with_full_steps_ranks_perfectly(trainer):
     """Sanity of the whole pipeline: an unquantised copy with stage 2's step count is stage 2."""
-    from diffalign.quantize import LowPrecisionCopy, QuantConfig
+    from diffalign.sol_rl.policy_copy import LowPrecisionCopy
+    from diffalign.sol_rl.quantize import QuantConfig
 
     tr = trainer
     saved_copy, saved_steps = tr.lowp, tr.sol.stage1_steps

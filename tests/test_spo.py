@@ -13,10 +13,11 @@ import torch
 from PIL import Image
 
 import reward_models
-from diffalign.algorithms.spo import choose_continuation, pair_accuracy, select_pairs, spm_pair_loss, spo_loss
+from diffalign.algorithms.continuation import choose_continuation
+from diffalign.algorithms.spo import pair_accuracy, select_pairs, spm_pair_loss, spo_loss
 from diffalign.cli import main
 from diffalign.pairs import PairFileError, label_pairs, read_pairs, write_pairs
-from diffalign.spm import ClipSPM, ShapesSPM, SPMError, load_spm
+from diffalign.spo.model import ClipSPM, ShapesSPM, SPMError, load_spm
 
 QUIET = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
 TINY_SPO = "configs/tiny/spo_sd15.yaml"
@@ -191,7 +192,7 @@ def _brightness(images, prompts, tau):
 
 
 def _rollout(adapter, kernel, prompts, seeds, **kwargs):
-    from diffalign.stepwise_resample import sample_stepwise
+    from diffalign.spo.sampling import sample_stepwise
 
     embeds = adapter.encode_prompts(prompts, with_uncond=True)
     schedule = adapter.make_schedule(kwargs.pop("num_steps", 5), 32, 32)
@@ -300,8 +301,8 @@ def test_pair_files_round_trip_and_refuse_bad_labels_and_images(tmp_path):
 
 
 def test_spm_recipes_live_in_the_spo_configs(repo_root, capsys):
-    from diffalign.config import load_config
-    from diffalign.spm_training import load_spm_config
+    from diffalign.config_files import load_config
+    from diffalign.spo.train import load_spm_config
 
     shapes = load_spm_config(str(repo_root / "configs/shapes/spo.yaml"), [])
     run = load_config(repo_root / "configs/shapes/spo.yaml")

@@ -11,12 +11,12 @@ import torch
 from diffalign.adapters import load_adapter
 from diffalign.algorithms.stepwise import stepwise_advantages, stepwise_gains
 from diffalign.cli import main
-from diffalign.config import load_config
+from diffalign.config_files import load_config
 from diffalign.errors import ConfigError
 from diffalign.recipes.stepwise_flow_grpo import StepwiseFlowGRPOTrainer, trainable_steps
 from diffalign.sampling import build_kernel, sample_linear
-from diffalign.trainer import SelfCheckError
-from diffalign.tweedie import refine_x0, sample_linear_dense
+from diffalign.training.checks import SelfCheckError
+from diffalign.sampling.dense import refine_x0, sample_linear_dense
 
 TINY = "configs/tiny/stepwise_flow_grpo_sd3.yaml"
 FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2",

@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from diffalign.cli import main
-from diffalign.config import load_config
+from diffalign.config_files import load_config
 from diffalign.recipes import build_trainer
 from diffalign.recipes.flow_grpo import FlowGRPOTrainer
-from diffalign.trainer import SelfCheckError
+from diffalign.training.checks import SelfCheckError
 
 SD3 = "configs/tiny/flow_grpo_sd3.yaml"
 FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
@@ -132,9 +132,28 @@ def test_other_tiny_configs_train(repo_root, tmp_path, config):
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
-def test_full_finetune_with_kl_runs(repo_root, tmp_path):
+def test_full_finetune_kl_is_zero_on_policy_and_positive_once_weights_move(repo_root, tmp_path):
+    """Full fine-tuning with a KL term (beta 0.04): the reference is a frozen copy of the starting
+    weights. Before the first update the policy is the reference, so the KL term is 0; after it
+    the trained weights have moved, the reference has not, and the KL term is positive."""
+    from accelerate.utils import set_seed
+
+    from diffalign.adapters import load_adapter
+
     out = tmp_path / "r"
-    assert run_cli(repo_root, "train", SD3, f"output_dir={out}", "max_iterations=1", "lora.enabled=false", *FAST) == 0
+    cfg = load_config(repo_root / SD3, [f"output_dir={out}", "max_iterations=2", "lora.enabled=false", *FAST])
+    trainer = build_trainer(cfg)
+    trainer.train()
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
+    assert abs(train[0]["kl"]) < 1e-12 and train[1]["kl"] > 1e-9, [r["kl"] for r in train]
+    set_seed(cfg.seed)  # what the trainer loaded before training
+    start = dict(load_adapter(cfg.model.id).denoiser.named_parameters())
+    reference = dict(trainer.policy.ref_denoiser.named_parameters())
+    trained = dict(trainer.adapter.denoiser.named_parameters())
+    assert all(torch.equal(reference[n], start[n]) for n in start)
+    assert max(float((trained[n].detach().float() - start[n].detach()).abs().max()) for n in start) > 1e-6
+    with trainer.reference_model():  # the reference stands in for the trained denoiser
+        assert trainer.adapter.denoiser is trainer.policy.ref_denoiser
     assert (out / "final" / "model_index.json").is_file()
 
 

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2 on two CPU processes (gloo): the same update as one process, exact resume,
+"""DeepSpeed ZeRO-1 and ZeRO-2 on two CPU processes (gloo): the same update as one process, exact resume,
 discarded steps, and the bad-input errors (ZeRO-3, fp16, xformers on CPU)."""
 
 import json
@@ -52,6 +52,25 @@ def test_zero2_two_processes_match_one_and_resume_exactly(repo_root, tmp_path):
 
 
 @needs_deepspeed
+def test_zero1_two_processes_match_one(repo_root, tmp_path):
+    """ZeRO-1 (optimizer states partitioned, gradients reduced whole) makes the update one process
+    makes over the same samples, and its checkpoint holds each process's partition."""
+    from diffalign import runs
+
+    start, one, two = tmp_path / "start", tmp_path / "one", tmp_path / "two"
+    train = ["-m", "diffalign.cli", "train", *COMMON, *COMPARABLE, "optim.lr=50"]
+    run([*train, f"output_dir={start}", "max_iterations=0", "rollout.prompts_per_iteration=2"], repo_root)
+    run([*train, f"output_dir={one}", "max_iterations=2", "rollout.prompts_per_iteration=2"], repo_root)
+    res = run([*train, f"output_dir={two}", "max_iterations=2", "rollout.prompts_per_iteration=1", "train.zero_stage=1"],
+              repo_root, nproc=2)
+    assert "DeepSpeed ZeRO-1 over 2 processes" in res.stderr
+    assert_same_update(weights(start), weights(one), weights(two), rel=REL, min_update=1e-3)
+    assert [r["reward_mean"] for r in records(two)] == pytest.approx([r["reward_mean"] for r in records(one)], rel=1e-3)
+    state = runs.load_checkpoint(runs.latest_checkpoint(two))
+    assert state["optimizer"]["zero_stage"] == 1 and len(state["optimizer"]["partitions"]) == 2
+
+
+@needs_deepspeed
 def test_zero2_discard_and_step(repo_root, tmp_path):
     out = tmp_path / "seen.json"
     run(["tests/zero_worker.py", str(out), str(tmp_path / "run")], repo_root, nproc=2)
@@ -65,7 +84,7 @@ def test_zero2_discard_and_step(repo_root, tmp_path):
 
 
 def test_deepspeed_config_follows_the_run_config():
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.distributed import deepspeed_config
 
     cfg = load_config("configs/tiny/flow_grpo_sd3.yaml", ["train.zero_stage=2", "train.batch_size=6", "optim.grad_clip=0.5"])
@@ -108,7 +127,7 @@ class _Accel:
 def test_zero_stage_from_the_accelerate_config(monkeypatch):
     import yaml
 
-    from diffalign.config import load_config
+    from diffalign.config_files import load_config
     from diffalign.distributed import zero_stage
     from diffalign.errors import ConfigError
 

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from diffalign.config import load_config
+from diffalign.config_files import load_config
 from diffalign.recipes import build_trainer
 
 

@@ -85,8 +85,10 @@ def sync(device) -> None:
 def main(argv=None) -> dict:
     import reward_models
     from diffalign.algorithms.sol_rl import kendall_tau, topk_hit_rate
-    from diffalign.quantize import LowPrecisionCopy, QuantConfig, UnsupportedFormatError, module_bytes, resolve_format, velocity_error
-    from diffalign.seeded import sample_seeded, seed_noise
+    from diffalign.sol_rl.fidelity import velocity_error
+    from diffalign.sol_rl.policy_copy import LowPrecisionCopy
+    from diffalign.sol_rl.quantize import QuantConfig, UnsupportedFormatError, module_bytes, resolve_format
+    from diffalign.sampling.seeded import sample_seeded, seed_noise
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="sd35m", choices=["tiny", "small", "sd35m", "sd35l"])
@@ -108,7 +110,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_gpu_sol_rl"))
     args = p.parse_args(argv)
-    from diffalign.quantize import QUANT_FORMATS
+    from diffalign.sol_rl.quantize import QUANT_FORMATS
 
     unknown = [f for f in args.formats.split(",") if f and f not in QUANT_FORMATS]
     if unknown:

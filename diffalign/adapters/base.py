@@ -24,6 +24,9 @@ from typing import ClassVar, Optional, Sequence
 
 import torch
 
+# ``model.dtype`` (and ``algorithm.quant.compute_dtype``) names -> torch dtypes
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass
 class PromptEmbeds:

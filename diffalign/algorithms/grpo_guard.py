@@ -52,9 +52,9 @@ class GuardOptions:
         return self.guard_ratio_norm or self.guard_step_reweight or self.guard_diagnostics
 
     def validate_guard(self, prefix: str = "algorithm") -> None:
-        from diffalign.config import _check
+        from diffalign.config import check
 
-        _check(self.guard_norm_mode in NORM_MODES, f"{prefix}.guard_norm_mode", f"must be one of {', '.join(NORM_MODES)}")
+        check(self.guard_norm_mode in NORM_MODES, f"{prefix}.guard_norm_mode", f"must be one of {', '.join(NORM_MODES)}")
 
 
 def _per_sample(std: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:

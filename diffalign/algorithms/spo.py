@@ -22,12 +22,11 @@ All functions work on plain tensors; nothing here knows about models or devices.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+
 
 import torch
 import torch.nn.functional as F
 
-CONTINUE_MODES = ("random", "best")  # which candidate the trajectory continues from
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,21 +95,6 @@ def select_pairs(scores: torch.Tensor, threshold: float) -> PairSelection:
     margin = pair[:, 0] - pair[:, 1]
     keep = (margin > threshold) & (best != worst)
     return PairSelection(best, worst, margin, keep)
-
-
-def choose_continuation(scores: torch.Tensor, mode: str = "random", generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """``(B,)`` long: the candidate each trajectory continues from.
-
-    ``random`` (SPO): uniformly random, so that the next step's pair again starts from a state
-    that was not selected for being good or bad; ``best``: the highest-scoring candidate (a greedy
-    variant; it biases the visited states towards what the SPM likes).
-    """
-    if mode == "best":
-        return scores.argmax(dim=1)
-    if mode == "random":
-        b, k = scores.shape
-        return torch.randint(0, k, (b,), generator=generator, device="cpu").to(scores.device)
-    raise ValueError(f"mode must be one of {CONTINUE_MODES}, got {mode!r}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,12 +16,11 @@ All functions are pure and work on plain tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+
 
 import torch
 import torch.nn.functional as F
 
-CONTINUATIONS = ("random", "best")
 
 
 @dataclass
@@ -65,24 +64,6 @@ def candidate_advantages(
     adv = torch.where(keep, adv, torch.zeros_like(adv))
     zero_frac = float((zero & finite).float().mean()) if len(s) else 0.0
     return CandidateAdvantages(adv, keep, zero_frac)
-
-
-def choose_continuation(
-    scores: torch.Tensor, mode: str, *, generator: Optional[torch.Generator] = None
-) -> torch.Tensor:
-    """Index (M,) of the candidate each chain continues from.
-
-    ``"best"``: the argmax of the scores (step-wise sampling's rule); ``"random"``: uniform over
-    the k candidates (SPO's rule), drawn from ``generator`` on the CPU. Which of the two the DRM
-    paper uses is not documented *(unverified)*, hence the switch.
-    """
-    if mode not in CONTINUATIONS:
-        raise ValueError(f"continuation must be one of {CONTINUATIONS}, got {mode!r}")
-    m, k = scores.shape
-    if mode == "best":
-        s = torch.where(torch.isfinite(scores), scores.float(), torch.full_like(scores.float(), -float("inf")))
-        return s.argmax(dim=1).cpu()
-    return torch.randint(0, k, (m,), generator=generator)
 
 
 def bradley_terry_loss(score_0: torch.Tensor, score_1: torch.Tensor, label_0: torch.Tensor) -> torch.Tensor:

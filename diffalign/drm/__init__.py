@@ -1,9 +1,8 @@
 """Diffusion-based reward model (DRM): a denoiser backbone that scores noisy latents.
 
 - :mod:`diffalign.drm.model`: :class:`~diffalign.drm.model.DiffusionRewardModel` (cut backbone +
-  head), save / load, noising and image encoding in each adapter's time convention;
-- :mod:`diffalign.drm.pairs`: preference pairs from a Pick-a-Pic-layout file or generated and
-  labelled by any reward;
+  head), save / load (noising and encoding are the shared :mod:`diffalign.forward_process`, its
+  pairs :class:`diffalign.pairs.LatentPairs`);
 - :mod:`diffalign.drm.train`: Bradley-Terry training (``diffalign train-reward``) and pairwise
   accuracy against t;
 - :mod:`diffalign.drm.sampling`: k-candidate branching and step-wise sampling

@@ -22,7 +22,9 @@ output layers are removed from the module (their weights are not kept). Kept blo
   their patch grid.
 
 ``t`` always follows the adapter's convention (sigma in [0, 1] for flow models, the DDPM index
-for epsilon models); a clean image is scored at t = 0 (:meth:`DiffusionRewardModel.score_images`).
+for epsilon models); noising, encoding and the map from a noise level to ``t`` are the shared
+forward process of :mod:`diffalign.forward_process`. A clean image is scored at t = 0
+(:meth:`DiffusionRewardModel.score_images`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch.nn as nn
 from diffalign.adapters import load_adapter
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.errors import ConfigError, DiffalignError
+from diffalign.forward_process import encode_images, model_time
 
 FORMAT = "diffalign-drm"  # drm.json "format"
 CONFIG_FILE = "drm.json"
@@ -51,58 +54,6 @@ class DRMError(DiffalignError):
 
 class _FeaturesReady(Exception):
     """Raised by the feature hook to stop the backbone after the last kept block."""
-
-
-# ---- noising and encoding (the adapter's time convention) -----------------------------------
-def model_time(adapter: ModelAdapter, u: torch.Tensor) -> torch.Tensor:
-    """Model times for noise fractions ``u`` in [0, 1] (0 = clean): sigma = u for flow models;
-    the DDPM index ``round(u (N - 1))`` for epsilon models with N training timesteps."""
-    u = torch.as_tensor(u, dtype=torch.float32).clamp(0, 1)
-    if adapter.prediction_type == "flow":
-        return u
-    n = int(adapter.alphas_cumprod.shape[0])
-    return (u * (n - 1)).round()
-
-
-def add_noise(adapter: ModelAdapter, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``x_t`` from clean latents: flow ``(1 - t) x0 + t eps``; epsilon ``sqrt(abar) x0 + sqrt(1 - abar) eps``."""
-    x0, noise = x0.float(), noise.float().to(x0.device)
-    shape = (-1, *([1] * (x0.ndim - 1)))
-    if adapter.prediction_type == "flow":
-        s = torch.as_tensor(t, dtype=torch.float32, device=x0.device).reshape(shape)
-        return (1 - s) * x0 + s * noise
-    abar = adapter.alpha_cumprod_at(torch.as_tensor(t).cpu()).float().to(x0.device).reshape(shape)
-    return abar.sqrt() * x0 + (1 - abar).sqrt() * noise
-
-
-@torch.no_grad()
-def encode_images(adapter: ModelAdapter, images: torch.Tensor) -> torch.Tensor:
-    """Images (B, 3, H, W) in [0, 1] -> model latents (the inverse of ``adapter.decode``).
-
-    Pixel-space models (no VAE, the shapes model) take ``2x - 1``. VAE models take the posterior
-    mean (or a tiny autoencoder's latents) normalised as the pipelines do: ``(z - shift) * scale``,
-    or ``(z - mean) * scale / std`` with per-channel ``latents_mean`` / ``latents_std`` (SDXL).
-    """
-    x = images.to(adapter.device, torch.float32) * 2 - 1
-    vae = getattr(adapter.pipeline, "vae", None)
-    if vae is None:
-        return x
-    out = vae.encode(x.to(vae.dtype))
-    if hasattr(out, "latent_dist"):
-        z = out.latent_dist.mean
-    elif hasattr(out, "latents"):
-        z = out.latents
-    else:
-        z = out.latent  # Sana's DC-AE
-    z = z.float()
-    cfg = vae.config
-    mean, std = getattr(cfg, "latents_mean", None), getattr(cfg, "latents_std", None)
-    if adapter.family == "sdxl" and mean is not None and std is not None:
-        mean = torch.tensor(mean, device=z.device).view(1, -1, 1, 1)
-        std = torch.tensor(std, device=z.device).view(1, -1, 1, 1)
-        return (z - mean) * cfg.scaling_factor / std
-    shift = getattr(cfg, "shift_factor", None) or 0.0
-    return (z - shift) * cfg.scaling_factor
 
 
 # ---- the head ---------------------------------------------------------------------------------

@@ -157,7 +157,7 @@ def run_sample(
     SDE candidates per step, the best under the DRM at ``drm_path`` kept). Writes ``grid.png`` and ``samples.json``
     (prompt, seed, score per image) to ``out_dir``; returns the summary."""
     import reward_models
-    from diffalign.trainer import image_grid, save_png
+    from diffalign.images import image_grid, save_png
 
     check_branches(branches, key="--branches")
     if branches > 1 and not drm_path:

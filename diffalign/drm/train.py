@@ -31,10 +31,12 @@ import torch
 
 from diffalign import runs
 from diffalign.algorithms.step_grpo import bradley_terry_loss, pairwise_accuracy
-from diffalign.config import LogConfig, PromptsConfig, _check, apply_overrides, dump_config, from_dict, read_yaml
-from diffalign.drm.model import DiffusionRewardModel, add_noise, model_time
-from diffalign.drm.pairs import PairSet, generate_pairs, load_pairs_file
+from diffalign.config import LogConfig, PromptsConfig, check
+from diffalign.config_files import apply_overrides, dump_config, from_dict, read_yaml
+from diffalign.drm.model import DiffusionRewardModel
 from diffalign.errors import ConfigError, DiffalignError
+from diffalign.forward_process import add_noise, model_time
+from diffalign.pairs import LatentPairs, generate_latent_pairs, load_latent_pairs
 
 
 # ---- config -----------------------------------------------------------------------------------
@@ -49,9 +51,9 @@ class DRMModelConfig:
     train_backbone: bool = True  # False: train the head only on frozen backbone features
 
     def validate(self) -> None:
-        _check(self.resolution >= 0 and self.resolution % 8 == 0, "drm.resolution", "must be 0 or a positive multiple of 8")
-        _check(self.drop_last_blocks >= 0, "drm.drop_last_blocks", "must be >= 0")
-        _check(self.head_width >= 1, "drm.head_width", "must be >= 1")
+        check(self.resolution >= 0 and self.resolution % 8 == 0, "drm.resolution", "must be 0 or a positive multiple of 8")
+        check(self.drop_last_blocks >= 0, "drm.drop_last_blocks", "must be >= 0")
+        check(self.head_width >= 1, "drm.head_width", "must be >= 1")
 
 
 @dataclass
@@ -74,12 +76,12 @@ class DRMPairsConfig:
 
     def validate(self) -> None:
         if self.source == "file":
-            _check(self.file is not None, "pairs.file", "is required when pairs.source=file")
-        _check(0 < self.eval_fraction < 1, "pairs.eval_fraction", "must be in (0, 1)")
-        _check(self.samples_per_prompt >= 2, "pairs.samples_per_prompt", "must be >= 2 (pairs need two images of a prompt)")
-        _check(self.num_steps >= 1, "pairs.num_steps", "must be >= 1")
-        _check(self.batch_size >= 1, "pairs.batch_size", "must be >= 1")
-        _check(self.max_pairs_per_prompt >= 1, "pairs.max_pairs_per_prompt", "must be >= 1")
+            check(self.file is not None, "pairs.file", "is required when pairs.source=file")
+        check(0 < self.eval_fraction < 1, "pairs.eval_fraction", "must be in (0, 1)")
+        check(self.samples_per_prompt >= 2, "pairs.samples_per_prompt", "must be >= 2 (pairs need two images of a prompt)")
+        check(self.num_steps >= 1, "pairs.num_steps", "must be >= 1")
+        check(self.batch_size >= 1, "pairs.batch_size", "must be >= 1")
+        check(self.max_pairs_per_prompt >= 1, "pairs.max_pairs_per_prompt", "must be >= 1")
 
 
 @dataclass
@@ -93,12 +95,12 @@ class DRMOptimConfig:
     t_max: float = 1.0  # training noise fractions u ~ U(0, t_max) (0 = clean, 1 = pure noise)
 
     def validate(self) -> None:
-        _check(self.steps >= 0, "train.steps", "must be >= 0")
-        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
-        _check(self.lr > 0, "train.lr", "must be > 0")
-        _check(self.backbone_lr > 0, "train.backbone_lr", "must be > 0")
-        _check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
-        _check(0 < self.t_max <= 1, "train.t_max", "must be in (0, 1]")
+        check(self.steps >= 0, "train.steps", "must be >= 0")
+        check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
+        check(self.lr > 0, "train.lr", "must be > 0")
+        check(self.backbone_lr > 0, "train.backbone_lr", "must be > 0")
+        check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
+        check(0 < self.t_max <= 1, "train.t_max", "must be in (0, 1]")
 
 
 @dataclass
@@ -109,8 +111,8 @@ class DRMEvalConfig:
     batch_size: int = 64
 
     def validate(self) -> None:
-        _check(len(self.t_grid) > 0 and all(0 <= t <= 1 for t in self.t_grid), "eval.t_grid", "must be a non-empty list in [0, 1]")
-        _check(self.every >= 0, "eval.every", "must be >= 0")
+        check(len(self.t_grid) > 0 and all(0 <= t <= 1 for t in self.t_grid), "eval.t_grid", "must be a non-empty list in [0, 1]")
+        check(self.every >= 0, "eval.every", "must be >= 0")
 
 
 @dataclass
@@ -125,7 +127,7 @@ class DRMRunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self) -> None:
-        _check(bool(self.output_dir), "output_dir", "must not be empty")
+        check(bool(self.output_dir), "output_dir", "must not be empty")
         for section in (self.drm, self.pairs, self.prompts, self.train, self.eval):
             section.validate()
 
@@ -139,7 +141,7 @@ def load_drm_config(path: str | None, overrides=()) -> DRMRunConfig:
     (``key=value``) always address the DRM config."""
     data = read_yaml(path) if path is not None else {}
     if "algorithm" in data:
-        from diffalign.config import load_config, to_dict
+        from diffalign.config_files import load_config, to_dict
 
         run = load_config(path)
         if not hasattr(run.algorithm, "drm_train"):
@@ -166,7 +168,7 @@ def _merge(base: dict, update: dict) -> dict:
 
 # ---- evaluation -------------------------------------------------------------------------------
 @torch.no_grad()
-def accuracy_vs_t(drm: DiffusionRewardModel, pairs: PairSet, t_grid, *, seed: int = 1234, batch_size: int = 64) -> list[dict]:
+def accuracy_vs_t(drm: DiffusionRewardModel, pairs: LatentPairs, t_grid, *, seed: int = 1234, batch_size: int = 64) -> list[dict]:
     """Pairwise accuracy of ``drm`` on ``pairs`` at each noise fraction of ``t_grid``; both images of
     a pair get the same noise, and a pair keeps its noise across the grid."""
     if len(pairs) == 0:
@@ -222,16 +224,16 @@ def format_accuracy_table(rows: list[dict]) -> str:
 
 
 # ---- training ---------------------------------------------------------------------------------
-def build_pairs(cfg: DRMRunConfig, drm: DiffusionRewardModel, log: Callable[[str], None]) -> tuple[PairSet, PairSet]:
+def build_pairs(cfg: DRMRunConfig, drm: DiffusionRewardModel, log: Callable[[str], None]) -> tuple[LatentPairs, LatentPairs]:
     p = cfg.pairs
     if p.source == "file":
-        pairs = load_pairs_file(p.file, drm.adapter, drm.resolution, drop_ties=p.drop_ties)
+        pairs = load_latent_pairs(p.file, drm.adapter, drm.resolution, drop_ties=p.drop_ties)
         if p.eval_file:
-            return pairs, load_pairs_file(p.eval_file, drm.adapter, drm.resolution, drop_ties=p.drop_ties)
+            return pairs, load_latent_pairs(p.eval_file, drm.adapter, drm.resolution, drop_ties=p.drop_ties)
         return pairs.split(p.eval_fraction, torch.Generator().manual_seed(cfg.seed))
     import reward_models
     from diffalign.adapters import load_adapter
-    from diffalign.trainer import resolve_prompts
+    from diffalign.prompts import resolve_prompts
 
     train_prompts, eval_prompts = resolve_prompts(cfg)
     train_prompts = train_prompts[: p.num_train_prompts] if p.num_train_prompts else train_prompts
@@ -244,8 +246,8 @@ def build_pairs(cfg: DRMRunConfig, drm: DiffusionRewardModel, log: Callable[[str
                   resolution=drm.resolution, batch_size=p.batch_size, max_pairs_per_prompt=p.max_pairs_per_prompt, log=log)
     log(f"generating pairs: {len(train_prompts)} training + {len(eval_prompts)} evaluation prompts x {p.samples_per_prompt} samples, "
         f"labelled by {p.reward}")
-    train = generate_pairs(sampler, train_prompts, reward_fn, seed=cfg.seed, **common)
-    held = generate_pairs(sampler, eval_prompts, reward_fn, seed=cfg.seed + 1, **common)
+    train = generate_latent_pairs(sampler, train_prompts, reward_fn, seed=cfg.seed, **common)
+    held = generate_latent_pairs(sampler, eval_prompts, reward_fn, seed=cfg.seed + 1, **common)
     del sampler
     return train, held
 

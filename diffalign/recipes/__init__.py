@@ -32,6 +32,12 @@ def available() -> list[str]:
     return sorted(_RECIPES)
 
 
+def recipe_module(name: str) -> str | None:
+    """The module that holds the recipe registered as ``name`` (None when none is)."""
+    target = _RECIPES.get(name)
+    return target.partition(":")[0] if target else None
+
+
 def trainer_class(name: str):
     if name not in _RECIPES:
         raise ConfigError(f"config key 'algorithm.name' is unknown: {name!r}; known: {', '.join(available())}")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from diffalign.adapters.base import PromptEmbeds
-from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
+from diffalign.recipes._clipped import accumulate_clipped, reference_kl
 from diffalign.recipes._grpo_guard import make_guard, select_step, steps_of
 from diffalign.trainer import Trainer
 
@@ -120,27 +120,18 @@ class TransitionTrainer(Trainer):
                         self.check_log_ratio(step.log_prob.detach()[keep], old[keep], f"at times {times}")
                     kl = None
                     if algo.beta > 0:
-                        with torch.no_grad(), self.reference_model(), self.autocast():
-                            ref_out = self.adapter.predict(x, t, emb, g)
-                        ref = self.kernel.step(_rep(ref_out, k), xk, tk, tnk, sde=True, prev_sample=nxt)
-                        kl = gaussian_mean_kl(step.mean, ref.mean, step.std)[keep]
+                        kl = reference_kl(self, x, t, emb, g, step, lambda ref_out: self.kernel.step(
+                            _rep(ref_out, k), xk, tk, tnk, sde=True, prev_sample=nxt))[keep]
                     logp, old, adv = step.log_prob[keep], old[keep], tr.advantages[rows].flatten().to(dev)[keep]
                     if guard is not None:
                         logp, old, adv = guard(select_step(step, keep), old, adv, steps_of(schedule, tk[keep]))
-                    res = ppo_clip_loss(logp, old, adv, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
-                    loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not self.accumulate(loss):
+                    if not accumulate_clipped(self, logp, old, adv, kl, algo, global_terms[gi], stats):
                         bad = True
-                        continue
-                    for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
-                        stats[key].append(float(getattr(res, key).detach()))
                 for _ in range(forwards[gi] - len(grp)):  # FSDP padding: this process's first state
                     rows = torch.zeros(1, dtype=torch.long)
                     emb = embeds.select(tr.embed_rows[rows].to(next(iter(embeds.cond.values())).device))
                     self.idle_forward(tr.states[rows].to(dev), tr.t[rows].to(dev), emb, g, reference=algo.beta > 0)
-                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
-                if applied:
-                    stats["grad_norm"].append(norm)
+                _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)
                 self._checked |= applied  # the policy has moved: later ratios need not be 1
         out = self.mean_stats(stats)

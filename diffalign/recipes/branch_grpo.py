@@ -2,7 +2,7 @@
 -> (pruned) parent -> child edges -> clipped PPO updates.
 
 The math lives in :mod:`diffalign.algorithms.branch_grpo`, the sampler in
-:mod:`diffalign.tree_rollout`; this file orchestrates, following :mod:`diffalign.recipes.flow_grpo`
+:mod:`diffalign.sampling.tree`; this file orchestrates, following :mod:`diffalign.recipes.flow_grpo`
 (global prompts / noise / shuffles sliced per process, losses over global term counts, the
 on-policy self-check, non-finite handling).
 
@@ -37,14 +37,15 @@ from diffalign.algorithms.branch_grpo import (
     training_edges,
     zero_std_trees,
 )
-from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
 from diffalign.algorithms.grpo_guard import GuardOptions
-from diffalign.recipes._grpo_guard import make_guard
-from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check, register_algorithm_config
 from diffalign.errors import ConfigError
+from diffalign.recipes._clipped import accumulate_clipped, reference_kl
+from diffalign.recipes._grpo_guard import make_guard
 from diffalign.sampling import build_kernel, sde_window_mask
-from diffalign.trainer import Trainer, reward_info
-from diffalign.tree_rollout import TreeTrajectory, draw_tree, measure_forward_memory, sample_tree
+from diffalign.sampling.tree import TreeTrajectory, draw_tree, measure_forward_memory, sample_tree
+from diffalign.trainer import Trainer
+from diffalign.training.rewards import reward_info
 
 MIB = 1024 * 1024
 
@@ -80,20 +81,20 @@ class BranchGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Gua
     tree_picture: bool = True  # add a picture of one prompt's tree to report.md
 
     def validate(self) -> None:
-        _check(len(self.split_steps) >= 1, "algorithm.split_steps", "must list at least one step")
-        _check(len(set(self.split_steps)) == len(self.split_steps), "algorithm.split_steps", f"has duplicates: {self.split_steps}")
-        _check(all(s >= 0 for s in self.split_steps), "algorithm.split_steps", f"must be >= 0: {self.split_steps}")
-        _check(self.branch_factor >= 2, "algorithm.branch_factor", "must be >= 2")
-        _check(self.split_noise_scale > 0, "algorithm.split_noise_scale", "must be > 0")
-        _check(self.forward_memory_mb >= 0, "algorithm.forward_memory_mb", "must be >= 0 (0 = chunk by rollout.sample_batch_size)")
-        _check(self.fusion_temperature > 0, "algorithm.fusion_temperature", "must be > 0")
-        _check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
-        _check(all(d >= 1 for d in self.depth_pruning), "algorithm.depth_pruning", f"depths must be >= 1: {self.depth_pruning}")
-        _check(self.depth_pruning_slide_every >= 1, "algorithm.depth_pruning_slide_every", "must be >= 1")
-        _check(0 < self.width_pruning_ratio <= 1, "algorithm.width_pruning_ratio", "must be in (0, 1]")
-        _check(self.pruning_iterations >= 0, "algorithm.pruning_iterations", "must be >= 0")
-        _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
-        _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
+        check(len(self.split_steps) >= 1, "algorithm.split_steps", "must list at least one step")
+        check(len(set(self.split_steps)) == len(self.split_steps), "algorithm.split_steps", f"has duplicates: {self.split_steps}")
+        check(all(s >= 0 for s in self.split_steps), "algorithm.split_steps", f"must be >= 0: {self.split_steps}")
+        check(self.branch_factor >= 2, "algorithm.branch_factor", "must be >= 2")
+        check(self.split_noise_scale > 0, "algorithm.split_noise_scale", "must be > 0")
+        check(self.forward_memory_mb >= 0, "algorithm.forward_memory_mb", "must be >= 0 (0 = chunk by rollout.sample_batch_size)")
+        check(self.fusion_temperature > 0, "algorithm.fusion_temperature", "must be > 0")
+        check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
+        check(all(d >= 1 for d in self.depth_pruning), "algorithm.depth_pruning", f"depths must be >= 1: {self.depth_pruning}")
+        check(self.depth_pruning_slide_every >= 1, "algorithm.depth_pruning_slide_every", "must be >= 1")
+        check(0 < self.width_pruning_ratio <= 1, "algorithm.width_pruning_ratio", "must be in (0, 1]")
+        check(self.pruning_iterations >= 0, "algorithm.pruning_iterations", "must be >= 0")
+        check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
+        check(self.beta >= 0, "algorithm.beta", "must be >= 0")
         self.validate_guard()
 
 
@@ -333,24 +334,15 @@ class BranchGRPOTrainer(Trainer):
                         self.check_log_ratio(step.log_prob.detach(), old_logp, f"on tree edges at steps {steps_seen}", "tree sampler")
                     kl = None
                     if algo.beta > 0:
-                        with torch.no_grad(), self.reference_model(), self.autocast():
-                            ref_out = self.adapter.predict(x, t, emb, g)
+                        kl = reference_kl(self, x, t, emb, g, step, lambda ref_out: self.kernel.step(
+                            ref_out, x, t, t_next, sde=True, prev_sample=x_next))
                         train_nfe += len(batch)
-                        ref = self.kernel.step(ref_out, x, t, t_next, sde=True, prev_sample=x_next)
-                        kl = gaussian_mean_kl(step.mean, ref.mean, step.std)
                     logp, adv = step.log_prob, advantages[trees_g, nodes].to(dev)
                     if guard is not None:
                         logp, old_logp, adv = guard(step, old_logp, adv, depth[nodes] - 1)
-                    res = ppo_clip_loss(logp, old_logp, adv, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
-                    loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not self.accumulate(loss):
+                    if not accumulate_clipped(self, logp, old_logp, adv, kl, algo, global_terms[gi], stats):
                         bad = True
-                        continue
-                    for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
-                        stats[key].append(float(getattr(res, key).detach()))
-                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
-                if applied:
-                    stats["grad_norm"].append(norm)
+                _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)
                 self._checked |= applied  # the policy has moved: later ratios need not be 1
         out = self.mean_stats(stats)

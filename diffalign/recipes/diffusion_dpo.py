@@ -25,14 +25,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from diffalign.algorithms.dpo import diffusion_dpo_loss, per_sample_mse
-from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check, register_algorithm_config
 from diffalign.errors import DiffalignError
 from diffalign.forward_process import add_noise, denoising_target, encode_images, model_time
 from diffalign.pairs import PairSet, generate_pairs, read_pairs, write_pairs
-from diffalign.trainer import PromptSampler, Trainer
+from diffalign.images import resize
+from diffalign.prompts import PromptSampler
+from diffalign.trainer import Trainer
 
 GENERATED_PAIRS_DIR = "pairs"  # under the run directory
 
@@ -51,11 +52,11 @@ class DiffusionDPOConfig(AlgorithmConfig):
     tau_max: float = 1.0
 
     def validate(self) -> None:
-        _check(self.beta > 0, "algorithm.beta", "must be > 0")
-        _check(self.pairs_limit >= 0, "algorithm.pairs_limit", "must be >= 0")
-        _check(self.generate_images_per_prompt >= 2, "algorithm.generate_images_per_prompt", "must be >= 2 (pairs need two images)")
-        _check(self.accumulation_steps >= 1, "algorithm.accumulation_steps", "must be >= 1")
-        _check(0.0 <= self.tau_min < self.tau_max <= 1.0, "algorithm.tau_min", "and algorithm.tau_max must satisfy 0 <= tau_min < tau_max <= 1")
+        check(self.beta > 0, "algorithm.beta", "must be > 0")
+        check(self.pairs_limit >= 0, "algorithm.pairs_limit", "must be >= 0")
+        check(self.generate_images_per_prompt >= 2, "algorithm.generate_images_per_prompt", "must be >= 2 (pairs need two images)")
+        check(self.accumulation_steps >= 1, "algorithm.accumulation_steps", "must be >= 1")
+        check(0.0 <= self.tau_min < self.tau_max <= 1.0, "algorithm.tau_min", "and algorithm.tau_max must satisfy 0 <= tau_min < tau_max <= 1")
 
 
 class DiffusionDPOTrainer(Trainer):
@@ -82,8 +83,8 @@ class DiffusionDPOTrainer(Trainer):
         _check_has_winners(pairs)
         strict = pairs.strict()
         winners, losers = strict.oriented()
-        self.winners = _resize(winners, self.resolution)
-        self.losers = _resize(losers, self.resolution)
+        self.winners = resize(winners, self.resolution)
+        self.losers = resize(losers, self.resolution)
         self.pair_prompts = strict.prompts
         self.pair_sampler = PromptSampler(list(range(len(strict))), self.cfg.seed + 1)  # cycles through pair indices
         if self.resume:
@@ -157,9 +158,7 @@ class DiffusionDPOTrainer(Trainer):
                 stats["model_diff"].append(float(res.model_diff))
                 stats["ref_diff"].append(float(res.ref_diff))
                 stats["model_mse"].append(float(torch.cat([err_w, err_l]).mean().detach()))
-            norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
-            if applied:
-                stats["grad_norm"].append(norm)
+            _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
             steps_applied += int(applied)
         out = self.mean_stats(stats)
         out["optimizer_steps"] = steps_applied
@@ -186,11 +185,3 @@ class DiffusionDPOTrainer(Trainer):
 def _check_has_winners(pairs: PairSet) -> None:
     if not bool((pairs.label_0 != 0.5).any()):
         raise DiffalignError(f"no preference pairs with a winner: all {len(pairs)} pairs are ties (label 0.5)")
-
-
-def _resize(images: torch.Tensor, resolution: int) -> torch.Tensor:
-    """uint8 ``(N, 3, H, W)`` resized (bicubic, antialiased) to ``resolution`` when needed."""
-    if images.shape[-1] == resolution and images.shape[-2] == resolution:
-        return images
-    x = F.interpolate(images.float(), size=(resolution, resolution), mode="bicubic", antialias=True, align_corners=False)
-    return x.round().clamp(0, 255).to(torch.uint8)

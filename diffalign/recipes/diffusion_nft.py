@@ -34,11 +34,13 @@ import torch
 
 from diffalign.adapters.base import PromptEmbeds
 from diffalign.algorithms.diffusion_nft import ema_update_, nft_loss, old_policy_decay
-from diffalign.algorithms.flow_grpo import group_advantages
-from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check, register_algorithm_config
 from diffalign.errors import ConfigError
-from diffalign.seeded import SEED_HIGH, sample_seeded, seed_noise
-from diffalign.trainer import SelfCheckError, Trainer, reward_info
+from diffalign.sampling.seeded import SEED_HIGH, sample_seeded, seed_noise
+from diffalign.trainer import Trainer
+from diffalign.training.checks import SelfCheckError
+from diffalign.training.groups import gathered_group_advantages
+from diffalign.training.rewards import reward_info
 
 OLD_ADAPTER = "old"  # name of the old / sampling policy's LoRA adapter (as in the reference)
 DEFAULT_ADAPTER = "default"  # the trained adapter (peft's default name, the one the trainer optimises)
@@ -65,16 +67,16 @@ class DiffusionNFTConfig(AlgorithmConfig):
     weight_min: float = 1.0e-5  # floor of the adaptive weight (mean |x0_hat - x0|)
 
     def validate(self, prefix: str = "algorithm") -> None:
-        _check(self.nft_beta > 0, f"{prefix}.nft_beta", "must be > 0")
-        _check(self.adv_clip > 0, f"{prefix}.adv_clip", "must be > 0")
-        _check(self.policy_loss_scale > 0, f"{prefix}.policy_loss_scale", "must be > 0")
-        _check(self.kl_beta >= 0, f"{prefix}.kl_beta", "must be >= 0")
-        _check(0 < self.train_timestep_fraction <= 1, f"{prefix}.train_timestep_fraction", "must be in (0, 1]")
-        _check(self.old_decay_rate >= 0, f"{prefix}.old_decay_rate", "must be >= 0")
-        _check(0 <= self.old_decay_max < 1, f"{prefix}.old_decay_max", "must be in [0, 1)")
-        _check(self.old_decay_flat >= 0, f"{prefix}.old_decay_flat", "must be >= 0")
-        _check(self.train_guidance_scale >= 0, f"{prefix}.train_guidance_scale", "must be >= 0")
-        _check(self.weight_min > 0, f"{prefix}.weight_min", "must be > 0")
+        check(self.nft_beta > 0, f"{prefix}.nft_beta", "must be > 0")
+        check(self.adv_clip > 0, f"{prefix}.adv_clip", "must be > 0")
+        check(self.policy_loss_scale > 0, f"{prefix}.policy_loss_scale", "must be > 0")
+        check(self.kl_beta >= 0, f"{prefix}.kl_beta", "must be >= 0")
+        check(0 < self.train_timestep_fraction <= 1, f"{prefix}.train_timestep_fraction", "must be in (0, 1]")
+        check(self.old_decay_rate >= 0, f"{prefix}.old_decay_rate", "must be >= 0")
+        check(0 <= self.old_decay_max < 1, f"{prefix}.old_decay_max", "must be in [0, 1)")
+        check(self.old_decay_flat >= 0, f"{prefix}.old_decay_flat", "must be >= 0")
+        check(self.train_guidance_scale >= 0, f"{prefix}.train_guidance_scale", "must be >= 0")
+        check(self.weight_min > 0, f"{prefix}.weight_min", "must be > 0")
 
 
 @dataclass
@@ -231,20 +233,10 @@ class DiffusionNFTTrainer(Trainer):
         algo = self.algo
         samples = self.rollout(iteration)
         t_update = time.perf_counter()
-        rewards = self.check_rewards(samples.rewards, iteration)
-        all_rewards = self.accelerator.gather(rewards.to(self.device)).cpu()  # (n_global,) in sample order
-        group_ids = torch.arange(samples.n_global) // self.cfg.rollout.group_size
-        adv = group_advantages(all_rewards, group_ids, std_mode=algo.advantage_std, eps=algo.advantage_eps,
-                               clip=algo.adv_clip, filter_zero_std=algo.filter_zero_std_groups)
-        finite = torch.isfinite(all_rewards)
-        record = {
-            "reward_mean": float(all_rewards[finite].mean()) if finite.any() else float("nan"),
-            "reward_std": float(all_rewards[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0,
-            "advantage_abs_mean": float(adv.advantages.abs().mean()),
-            "zero_std_frac": adv.zero_std_fraction,
-            "kept_frac": float(adv.keep.float().mean()),
-            **samples.info,
-        }
+        adv, record = gathered_group_advantages(self, samples.rewards, samples.n_global, iteration,
+                                                std_mode=algo.advantage_std, eps=algo.advantage_eps, clip=algo.adv_clip,
+                                                filter_zero_std=algo.filter_zero_std_groups)
+        record.update(samples.info)
         record.update(self.update(samples, adv.advantages, adv.keep))
         record["old_decay"] = self.update_old_adapter()
         record["time/update"] = time.perf_counter() - t_update
@@ -317,9 +309,7 @@ class DiffusionNFTTrainer(Trainer):
                         continue
                     for key in keys:
                         stats[key].append(float(getattr(res, key).detach()))
-                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
-                if applied:
-                    stats["grad_norm"].append(norm)
+                _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)
                 self.optimizer_steps_done += int(applied)
                 self._checked |= applied  # the trained adapter has moved away from the old one

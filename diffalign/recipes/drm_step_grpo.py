@@ -24,14 +24,15 @@ import numpy as np
 import torch
 
 import reward_models
-from diffalign.algorithms.step_grpo import CONTINUATIONS, candidate_advantages, choose_continuation
+from diffalign.algorithms.continuation import CONTINUATIONS, choose_continuation
+from diffalign.algorithms.step_grpo import candidate_advantages
 from diffalign.algorithms.grpo_guard import GuardOptions
-from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check, register_algorithm_config
 from diffalign.drm.model import check_compatible
 from diffalign.drm.sampling import MAX_BRANCHES, branch_candidates
 from diffalign.errors import ConfigError
 from diffalign.recipes._transitions import TransitionTrainer, Transitions
-from diffalign.recipes.flow_grpo import plan_group_rollout
+from diffalign.training.groups import plan_group_rollout
 
 
 @register_algorithm_config("drm_step_grpo")
@@ -53,11 +54,11 @@ class StepGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard
     drm_train: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        _check(2 <= self.num_candidates <= MAX_BRANCHES, "algorithm.num_candidates", f"must be in [2, {MAX_BRANCHES}] (z-scores need 2)")
-        _check(self.continuation in CONTINUATIONS, "algorithm.continuation", f"must be one of {', '.join(CONTINUATIONS)}")
-        _check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
-        _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
-        _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
+        check(2 <= self.num_candidates <= MAX_BRANCHES, "algorithm.num_candidates", f"must be in [2, {MAX_BRANCHES}] (z-scores need 2)")
+        check(self.continuation in CONTINUATIONS, "algorithm.continuation", f"must be one of {', '.join(CONTINUATIONS)}")
+        check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
+        check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
+        check(self.beta >= 0, "algorithm.beta", "must be >= 0")
         self.validate_guard()
 
 

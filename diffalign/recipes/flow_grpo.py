@@ -13,56 +13,17 @@ processes. Two processes therefore compute the same update as one process over t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from diffalign.algorithms.flow_grpo import gaussian_mean_kl, group_advantages, ppo_clip_loss
 from diffalign.config import FlowGRPOConfig
+from diffalign.recipes._clipped import accumulate_clipped, reference_kl
 from diffalign.recipes._grpo_guard import make_guard
-from diffalign.sampling import Trajectory, sample_linear, sde_window_mask
-from diffalign.trainer import Trainer, reward_info
-
-
-@dataclass
-class GroupRollout:
-    """What one iteration of group rollouts samples, drawn globally and sliced for this process."""
-
-    prompts: list[str]  # this process's prompts (one per group)
-    sample_prompts: list[str]  # one per sample: each prompt repeated group_size times
-    n_local: int
-    n_global: int
-    first: int  # global id of this process's first sample
-    sde_mask: torch.Tensor  # (num_steps,) bool: which steps are SDE steps this iteration
-    noise: torch.Tensor  # (n_local, *latent) initial noise
-    step_noise: torch.Tensor | None  # (n_local, num_steps, *latent) per-step SDE noise (None: not drawn)
-    embeds: object  # prompt embeddings, one row per sample (with the unconditional half under CFG)
-    schedule: torch.Tensor
-
-
-def plan_group_rollout(trainer: Trainer, iteration: int, *, with_step_noise: bool = True) -> GroupRollout:
-    """Draw an iteration's prompts, SDE window and all of its noise from the trainer's shared
-    generator: every process draws the same global tensors and keeps its own slice, so that N
-    processes sample exactly what one process would (see the module docstring). A sampler that
-    draws its step noise itself (DRM Step-GRPO's k candidates per step) passes
-    ``with_step_noise=False``."""
-    cfg, s = trainer.cfg, trainer.cfg.sampling
-    world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
-    per_proc, group = cfg.rollout.prompts_per_iteration, cfg.rollout.group_size
-    all_prompts = trainer.prompt_sampler.next(per_proc * world)  # identical on every process
-    prompts = all_prompts[rank * per_proc : (rank + 1) * per_proc]
-    sample_prompts = [p for p in prompts for _ in range(group)]
-    n_local, n_global = len(sample_prompts), len(all_prompts) * group
-    local = slice(rank * n_local, (rank + 1) * n_local)
-    sde_mask = sde_window_mask(s.num_steps, s.window_size, mode=s.window_mode, start=s.window_start, iteration=iteration,
-                               slide_every=s.window_slide_every, stride=s.window_stride, generator=trainer.generator)
-    latent = trainer.adapter.latent_shape(trainer.resolution, trainer.resolution)
-    noise = torch.randn((n_global, *latent), generator=trainer.generator)[local]
-    step_noise = torch.randn((n_global, s.num_steps, *latent), generator=trainer.generator)[local] if with_step_noise else None
-    embeds = trainer.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
-    schedule = trainer.adapter.make_schedule(s.num_steps, trainer.resolution, trainer.resolution)
-    return GroupRollout(prompts, sample_prompts, n_local, n_global, rank * n_local, sde_mask, noise, step_noise, embeds, schedule)
+from diffalign.sampling import Trajectory, sample_linear
+from diffalign.trainer import Trainer
+from diffalign.training.rewards import reward_info
+from diffalign.training.groups import gathered_group_advantages, plan_group_rollout
 
 
 class FlowGRPOTrainer(Trainer):
@@ -105,20 +66,10 @@ class FlowGRPOTrainer(Trainer):
         t0 = time.perf_counter()
         traj, embeds, sample_ids, n_global, rewards, info = self.rollout(iteration)
         t_rollout = time.perf_counter() - t0
-        rewards = self.check_rewards(rewards, iteration)
-        all_rewards = self.accelerator.gather(rewards.to(self.device)).cpu()  # (n_global,) in sample order
-        group_ids = torch.arange(n_global) // self.cfg.rollout.group_size
-        adv = group_advantages(all_rewards, group_ids, std_mode=algo.advantage_std, eps=algo.advantage_eps,
-                               clip=algo.advantage_clip, filter_zero_std=algo.filter_zero_std_groups)
-        finite = torch.isfinite(all_rewards)
-        record = {
-            "reward_mean": float(all_rewards[finite].mean()) if finite.any() else float("nan"),
-            "reward_std": float(all_rewards[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0,
-            "advantage_abs_mean": float(adv.advantages.abs().mean()),
-            "zero_std_frac": adv.zero_std_fraction,
-            "kept_frac": float(adv.keep.float().mean()),
-            **info,
-        }
+        adv, record = gathered_group_advantages(self, rewards, n_global, iteration, std_mode=algo.advantage_std,
+                                                eps=algo.advantage_eps, clip=algo.advantage_clip,
+                                                filter_zero_std=algo.filter_zero_std_groups)
+        record.update(info)
         t0 = time.perf_counter()
         record.update(self.update(traj, embeds, sample_ids, n_global, adv.advantages, adv.keep))
         record.update({"time/rollout": t_rollout, "time/update": time.perf_counter() - t0})
@@ -187,25 +138,16 @@ class FlowGRPOTrainer(Trainer):
                         self.check_log_ratio(step.log_prob.detach(), old_logp, f"at steps {sorted(set(steps.tolist()))}")
                     kl = None
                     if algo.beta > 0:
-                        with torch.no_grad(), self.reference_model(), self.autocast():
-                            ref_out = self.adapter.predict(x, t, emb, g)
-                        ref = self.kernel.step(ref_out, x, t, t_next, sde=True, prev_sample=x_next)
-                        kl = gaussian_mean_kl(step.mean, ref.mean, step.std)
+                        kl = reference_kl(self, x, t, emb, g, step, lambda ref_out: self.kernel.step(
+                            ref_out, x, t, t_next, sde=True, prev_sample=x_next))
                     logp, adv = step.log_prob, advantages[rows + first_local].to(dev)
                     if guard is not None:
                         logp, old_logp, adv = guard(step, old_logp, adv, steps, rows=rows, x_next=x_next)
-                    res = ppo_clip_loss(logp, old_logp, adv, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
-                    loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not self.accumulate(loss):
+                    if not accumulate_clipped(self, logp, old_logp, adv, kl, algo, global_terms[gi], stats):
                         bad = True
-                        continue
-                    for key in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean"):
-                        stats[key].append(float(getattr(res, key).detach()))
                 for _ in range(forwards[gi] - len(grp)):
                     self._idle_forward(traj, embeds, g)
-                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
-                if applied:
-                    stats["grad_norm"].append(norm)
+                _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)
                 self._checked |= applied  # the policy has moved: later ratios need not be 1
         out = self.mean_stats(stats)

@@ -3,7 +3,7 @@
 Paper: "Sol-RL" (NVIDIA, arXiv:2604.06916); reference ``train_scripts/sol_rl`` of NVlabs/Sana.
 Each iteration, per prompt:
 
-1. **sync** — the low-precision copy (:class:`diffalign.quantize.LowPrecisionCopy`: LoRA merged,
+1. **sync** — the low-precision copy (:class:`diffalign.sol_rl.policy_copy.LowPrecisionCopy`: LoRA merged,
    linears quantised, sensitive / small layers kept) is re-merged from the live weights of the
    *sampling* policy after the previous update; nothing is reloaded from disk;
 2. **stage 1** — ``algorithm.pool_size`` (N) seeds, deterministic ODE with the copy and
@@ -36,16 +36,19 @@ from typing import Literal
 import torch
 
 from diffalign.algorithms.sol_rl import SELECTION_MODES, kendall_tau, select_indices, topk_hit_rate
-from diffalign.config import AlgorithmConfig, FlowGRPOConfig, _check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, FlowGRPOConfig, check, register_algorithm_config
 from diffalign.errors import ConfigError
-from diffalign.quantize import LowPrecisionCopy, QuantConfig, resolve_format, velocity_error
+from diffalign.sol_rl.fidelity import velocity_error
+from diffalign.sol_rl.policy_copy import LowPrecisionCopy
+from diffalign.sol_rl.quantize import QuantConfig, resolve_format
 from diffalign.recipes.diffusion_nft import (
     DEFAULT_ADAPTER, DiffusionNFTConfig, DiffusionNFTTrainer, SeededSamples, draw_prompts_and_seeds, sample_and_score,
 )
 from diffalign.recipes.flow_grpo import FlowGRPOTrainer
 from diffalign.sampling import Trajectory, sde_window_mask
-from diffalign.seeded import sample_seeded, seed_noise
-from diffalign.trainer import Trainer, reward_info
+from diffalign.sampling.seeded import sample_seeded, seed_noise
+from diffalign.trainer import Trainer
+from diffalign.training.rewards import reward_info
 
 FIDELITY_SAMPLES = 4  # pool samples on which quant/velocity_rel_err is measured each iteration
 
@@ -80,17 +83,17 @@ class SolRLConfig(AlgorithmConfig):
         return self.flow_grpo.logprob_reduction
 
     def validate(self) -> None:
-        _check(self.pool_size >= 2, "algorithm.pool_size", "must be >= 2")
-        _check(self.stage1_steps >= 1, "algorithm.stage1_steps", "must be >= 1 (stage-1 ODE steps)")
-        _check(self.stage1_batch_size >= 0, "algorithm.stage1_batch_size", "must be >= 0")
-        _check(self.audit_every >= 0, "algorithm.audit_every", "must be >= 0")
-        _check(self.selection in SELECTION_MODES, "algorithm.selection", f"must be one of {', '.join(SELECTION_MODES)}")
+        check(self.pool_size >= 2, "algorithm.pool_size", "must be >= 2")
+        check(self.stage1_steps >= 1, "algorithm.stage1_steps", "must be >= 1 (stage-1 ODE steps)")
+        check(self.stage1_batch_size >= 0, "algorithm.stage1_batch_size", "must be >= 0")
+        check(self.audit_every >= 0, "algorithm.audit_every", "must be >= 0")
+        check(self.selection in SELECTION_MODES, "algorithm.selection", f"must be one of {', '.join(SELECTION_MODES)}")
         self.quant.validate("algorithm.quant")
         self.diffusion_nft.validate("algorithm.diffusion_nft")
-        _check(self.flow_grpo.advantage_clip > 0, "algorithm.flow_grpo.advantage_clip", "must be > 0")
-        _check(0 < self.flow_grpo.clip_range < 1, "algorithm.flow_grpo.clip_range", "must be in (0, 1)")
-        _check(self.flow_grpo.beta >= 0, "algorithm.flow_grpo.beta", "must be >= 0")
-        _check(0 < self.flow_grpo.train_timestep_fraction <= 1, "algorithm.flow_grpo.train_timestep_fraction", "must be in (0, 1]")
+        check(self.flow_grpo.advantage_clip > 0, "algorithm.flow_grpo.advantage_clip", "must be > 0")
+        check(0 < self.flow_grpo.clip_range < 1, "algorithm.flow_grpo.clip_range", "must be in (0, 1)")
+        check(self.flow_grpo.beta >= 0, "algorithm.flow_grpo.beta", "must be >= 0")
+        check(0 < self.flow_grpo.train_timestep_fraction <= 1, "algorithm.flow_grpo.train_timestep_fraction", "must be in (0, 1]")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 (win, lose) transition pairs -> the SPO loss against the frozen initial model.
 
 The math lives in :mod:`diffalign.algorithms.spo`, the rollout in
-:mod:`diffalign.stepwise_resample`, the preference model in :mod:`diffalign.spm` (trained with
+:mod:`diffalign.spo.sampling`, the preference model in :mod:`diffalign.spo.model` (trained with
 ``diffalign train-spm``); this file only orchestrates. Kernels: DDIM with eta > 0 for epsilon
 models (``sampling.kernel: ddim``, the paper's SD1.5 / SDXL setting) and the flow SDE kernels
 (``flow_grpo``, ``cps``, ``dance``) for flow models.
@@ -40,10 +40,11 @@ import torch
 
 import reward_models
 from diffalign.algorithms.spo import spo_loss
-from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check, register_algorithm_config
 from diffalign.errors import ConfigError, RewardError
-from diffalign.stepwise_resample import StepPairs, sample_stepwise
-from diffalign.trainer import Trainer, reward_info
+from diffalign.spo.sampling import StepPairs, sample_stepwise
+from diffalign.trainer import Trainer
+from diffalign.training.rewards import reward_info
 
 
 @register_algorithm_config("spo")
@@ -52,7 +53,7 @@ class SPOConfig(AlgorithmConfig):
     name: str = "spo"
     spm: str = "spm"  # reward name or dotted path of the step-aware preference model; it must take a timestep
     spm_kwargs: dict = field(default_factory=dict)  # e.g. {model: runs/spm_shapes} (an SPM folder from `diffalign train-spm`)
-    # How `diffalign train-spm <this config>` trains that SPM: diffalign.spm_training.SPMTrainConfig keys; model, prompts,
+    # How `diffalign train-spm <this config>` trains that SPM: diffalign.spo.train.SPMTrainConfig keys; model, prompts,
     # reward and seed default to the run's, output_dir to spm_kwargs.model. Not used by the SPO run itself.
     spm_train: dict = field(default_factory=dict)
     num_candidates: int = 4  # k: candidates of the next state drawn from each shared state (SD1.5 4, SDXL 2)
@@ -66,18 +67,18 @@ class SPOConfig(AlgorithmConfig):
     logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims (reference: mean)
 
     def validate(self) -> None:
-        _check(self.num_candidates >= 2, "algorithm.num_candidates", f"must be >= 2 (a pair needs two candidates), got {self.num_candidates}")
-        _check(0.0 <= self.threshold < 1.0, "algorithm.threshold",
+        check(self.num_candidates >= 2, "algorithm.num_candidates", f"must be >= 2 (a pair needs two candidates), got {self.num_candidates}")
+        check(0.0 <= self.threshold < 1.0, "algorithm.threshold",
                f"must be in [0, 1) (a softmax margin of two scores lies in [0, 1)), got {self.threshold}")
-        _check(self.resample_start >= 0, "algorithm.resample_start", "must be >= 0")
-        _check(self.branch_steps >= 1, "algorithm.branch_steps", "must be >= 1")
-        _check(self.beta > 0, "algorithm.beta", "must be > 0")
-        _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
-        _check(self.accumulation_steps >= 1, "algorithm.accumulation_steps", "must be >= 1")
-        _check(bool(self.spm), "algorithm.spm", "must name a step-aware preference model (e.g. spm)")
+        check(self.resample_start >= 0, "algorithm.resample_start", "must be >= 0")
+        check(self.branch_steps >= 1, "algorithm.branch_steps", "must be >= 1")
+        check(self.beta > 0, "algorithm.beta", "must be > 0")
+        check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
+        check(self.accumulation_steps >= 1, "algorithm.accumulation_steps", "must be >= 1")
+        check(bool(self.spm), "algorithm.spm", "must name a step-aware preference model (e.g. spm)")
         if self.spm_train:  # checked with the run config's defaults by `train-spm`; here its own keys and values
-            from diffalign.config import from_dict
-            from diffalign.spm_training import SPMTrainConfig
+            from diffalign.config_files import from_dict
+            from diffalign.spo.train import SPMTrainConfig
 
             try:
                 from_dict(SPMTrainConfig, self.spm_train, "algorithm.spm_train").validate()
@@ -95,9 +96,8 @@ def build_step_aware_scorer(name: str, kwargs: dict, device: str):
             "step-aware preference model, e.g. algorithm.spm=spm with algorithm.spm_kwargs.model=<SPM folder>"
         )
 
-    from reward_models.base import _REGISTRY  # a registered reward class says whether it takes a timestep before it is built
-
-    factory = _REGISTRY.get(name)
+    # a registered reward class says whether it takes a timestep before it is built
+    factory = reward_models.base.registered(name)
     if isinstance(factory, type) and not getattr(factory, "takes_timestep", False):
         raise refuse(factory.__name__)
     try:
@@ -130,10 +130,10 @@ class SPOTrainer(Trainer):
     def setup(self) -> None:
         cfg, algo = self.cfg, self.algo
         # Cross-section checks and the SPM come first: bad input must not touch the run directory.
-        _check(cfg.sampling.noise_level > 0, "sampling.noise_level", "must be > 0 for SPO (candidates drawn with no noise are identical)")
-        _check(algo.resample_start < cfg.sampling.num_steps, "algorithm.resample_start",
+        check(cfg.sampling.noise_level > 0, "sampling.noise_level", "must be > 0 for SPO (candidates drawn with no noise are identical)")
+        check(algo.resample_start < cfg.sampling.num_steps, "algorithm.resample_start",
                f"must be < sampling.num_steps = {cfg.sampling.num_steps} (no step would be judged)")
-        _check(cfg.train.optimizer_steps_per_iteration == 1, "train.optimizer_steps_per_iteration",
+        check(cfg.train.optimizer_steps_per_iteration == 1, "train.optimizer_steps_per_iteration",
                "must be 1 for SPO: it steps every algorithm.accumulation_steps micro-batches of kept pairs")
         self.spm = build_step_aware_scorer(algo.spm, algo.spm_kwargs, "cpu")
         super().setup()
@@ -299,9 +299,7 @@ class SPOTrainer(Trainer):
                     stats["ratio_lose"].append(float(res.ratio_lose.mean()))
                     stats["clip_frac"].append(float(res.clip_frac))
                     stats["implicit_acc"].append(float(res.accuracy))
-                norm, applied = self.close_step(bad)  # a poisoned step is dropped and counted
-                if applied:
-                    stats["grad_norm"].append(norm)
+                _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)
                 self._checked |= applied
         out = self.mean_stats(stats)

@@ -24,11 +24,11 @@ import torch
 
 from diffalign.algorithms.stepwise import stepwise_advantages, stepwise_gains
 from diffalign.algorithms.grpo_guard import GuardOptions
-from diffalign.config import AlgorithmConfig, _check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check, register_algorithm_config
 from diffalign.recipes._transitions import TransitionTrainer, Transitions
-from diffalign.recipes.flow_grpo import plan_group_rollout
+from diffalign.training.groups import plan_group_rollout
 from diffalign.sampling import Kernel, sde_window_mask
-from diffalign.tweedie import MAX_SUBSTEPS, DenseTrajectory, check_flow, decode_estimates, sample_linear_dense
+from diffalign.sampling.dense import MAX_SUBSTEPS, DenseTrajectory, check_flow, decode_estimates, sample_linear_dense
 
 
 @register_algorithm_config("stepwise_flow_grpo")
@@ -45,11 +45,11 @@ class StepwiseFlowGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GR
     logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims
 
     def validate(self) -> None:
-        _check(0 <= self.tweedie_substeps <= MAX_SUBSTEPS, "algorithm.tweedie_substeps", f"must be in [0, {MAX_SUBSTEPS}]")
-        _check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
-        _check(self.advantage_eps >= 0, "algorithm.advantage_eps", "must be >= 0")
-        _check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
-        _check(self.beta >= 0, "algorithm.beta", "must be >= 0")
+        check(0 <= self.tweedie_substeps <= MAX_SUBSTEPS, "algorithm.tweedie_substeps", f"must be in [0, {MAX_SUBSTEPS}]")
+        check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
+        check(self.advantage_eps >= 0, "algorithm.advantage_eps", "must be >= 0")
+        check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
+        check(self.beta >= 0, "algorithm.beta", "must be >= 0")
         self.validate_guard()
 
 

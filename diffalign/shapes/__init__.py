@@ -1,67 +1,11 @@
 """The embedded default task: a world of coloured shapes with GenEval-style prompts.
 
-``diffalign.shapes.world`` defines the shapes, colours, prompt grammar, train/held-out split,
-scene sampler and renderer; ``reward_models.shapes_eval`` verifies generated images against it.
+``diffalign.shapes.world`` defines the shapes, colours, prompt grammar and train/held-out split,
+``diffalign.shapes.scenes`` the scene sampler, requirement check and renderer; ``reward_models.shapes_eval`` verifies generated images against it.
 """
 
-from diffalign.shapes.world import (
-    BACKGROUND,
-    COLORS,
-    FAMILIES,
-    HELDOUT_COUNTS,
-    IN_DISTRIBUTION_FAMILIES,
-    RELATIONS,
-    SHAPES,
-    VALIDATION_COUNTS,
-    ObjectSpec,
-    PlacedObject,
-    PromptError,
-    PromptSpec,
-    PromptSplit,
-    Scene,
-    all_prompts,
-    evaluation_prompts,
-    make_batch,
-    parse_prompt,
-    prompt_atoms,
-    prompt_family,
-    relation_holds,
-    render,
-    render_prompt,
-    requirements_met,
-    sample_scene,
-    split_prompts,
-    validation_split,
-    vocabulary,
-)
+from diffalign.shapes import scenes, world
+from diffalign.shapes.scenes import *  # noqa: F401,F403 -- the names of scenes.__all__
+from diffalign.shapes.world import *  # noqa: F401,F403 -- the names of world.__all__
 
-__all__ = [
-    "BACKGROUND",
-    "COLORS",
-    "FAMILIES",
-    "HELDOUT_COUNTS",
-    "IN_DISTRIBUTION_FAMILIES",
-    "RELATIONS",
-    "SHAPES",
-    "VALIDATION_COUNTS",
-    "ObjectSpec",
-    "PlacedObject",
-    "PromptError",
-    "PromptSpec",
-    "PromptSplit",
-    "Scene",
-    "all_prompts",
-    "evaluation_prompts",
-    "make_batch",
-    "parse_prompt",
-    "prompt_atoms",
-    "prompt_family",
-    "relation_holds",
-    "render",
-    "render_prompt",
-    "requirements_met",
-    "sample_scene",
-    "split_prompts",
-    "validation_split",
-    "vocabulary",
-]
+__all__ = [*world.__all__, *scenes.__all__]

@@ -25,7 +25,7 @@ import torch
 
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.algorithms.branch_grpo import TreeStructure
-from diffalign.sampling import Kernel
+from diffalign.sampling.linear import Kernel
 
 
 @dataclass

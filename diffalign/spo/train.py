@@ -35,16 +35,8 @@ import numpy as np
 import torch
 
 from diffalign import runs
-from diffalign.config import (
-    ModelConfig,
-    PromptsConfig,
-    RewardConfig,
-    _check,
-    apply_overrides,
-    dump_config,
-    from_dict,
-    read_yaml,
-)
+from diffalign.config import check, ModelConfig, PromptsConfig, RewardConfig
+from diffalign.config_files import apply_overrides, dump_config, from_dict, read_yaml
 from diffalign.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
@@ -64,10 +56,10 @@ class SPMPairsConfig:
     heldout_fraction: float = 0.15  # pairs of this fraction of the prompts are held out for evaluation
 
     def validate(self) -> None:
-        _check(self.limit >= 0, "pairs.limit", "must be >= 0")
-        _check(self.images_per_prompt >= 2, "pairs.images_per_prompt", "must be >= 2")
-        _check(self.num_steps >= 1, "pairs.num_steps", "must be >= 1")
-        _check(0.0 <= self.heldout_fraction < 1.0, "pairs.heldout_fraction", "must be in [0, 1)")
+        check(self.limit >= 0, "pairs.limit", "must be >= 0")
+        check(self.images_per_prompt >= 2, "pairs.images_per_prompt", "must be >= 2")
+        check(self.num_steps >= 1, "pairs.num_steps", "must be >= 1")
+        check(0.0 <= self.heldout_fraction < 1.0, "pairs.heldout_fraction", "must be in [0, 1)")
 
 
 @dataclass
@@ -90,12 +82,12 @@ class SPMOptimConfig:
     x0_batch_size: int = 64  # images per diffusion-model forward
 
     def validate(self) -> None:
-        _check(self.steps >= 0, "train.steps", "must be >= 0")
-        _check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
-        _check(self.lr > 0, "train.lr", "must be > 0")
-        _check(0.0 <= self.tau_min < self.tau_max <= 1.0, "train.tau_min", "and train.tau_max must satisfy 0 <= tau_min < tau_max <= 1")
-        _check(self.x0_views_per_pair >= 0, "train.x0_views_per_pair", "must be >= 0")
-        _check(self.x0_batch_size >= 1, "train.x0_batch_size", "must be >= 1")
+        check(self.steps >= 0, "train.steps", "must be >= 0")
+        check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
+        check(self.lr > 0, "train.lr", "must be > 0")
+        check(0.0 <= self.tau_min < self.tau_max <= 1.0, "train.tau_min", "and train.tau_max must satisfy 0 <= tau_min < tau_max <= 1")
+        check(self.x0_views_per_pair >= 0, "train.x0_views_per_pair", "must be >= 0")
+        check(self.x0_batch_size >= 1, "train.x0_batch_size", "must be >= 1")
 
 
 @dataclass
@@ -106,8 +98,8 @@ class SPMEvalConfig:
     seed: int = 1234  # noise of the evaluation (same before and after)
 
     def validate(self) -> None:
-        _check(all(0.0 <= t < 1.0 for t in self.taus) and len(self.taus) > 0, "eval.taus", "must be noise levels in [0, 1)")
-        _check(self.curve_points >= 2, "eval.curve_points", "must be >= 2")
+        check(all(0.0 <= t < 1.0 for t in self.taus) and len(self.taus) > 0, "eval.taus", "must be noise levels in [0, 1)")
+        check(self.curve_points >= 2, "eval.curve_points", "must be >= 2")
 
 
 @dataclass
@@ -124,7 +116,7 @@ class SPMTrainConfig:
     eval: SPMEvalConfig = field(default_factory=SPMEvalConfig)
 
     def validate(self) -> None:
-        _check(bool(self.output_dir), "output_dir", "must not be empty")
+        check(bool(self.output_dir), "output_dir", "must not be empty")
         for name in ("model", "pairs", "prompts", "train", "eval"):
             getattr(self, name).validate()
 
@@ -288,8 +280,9 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
     from diffalign.adapters import load_adapter
     from diffalign.algorithms.spo import pair_accuracy, spm_pair_loss
     from diffalign.pairs import PairSet, generate_pairs, read_pairs, write_pairs
-    from diffalign.spm import build_spm
-    from diffalign.trainer import DTYPES, resolve_prompts
+    from diffalign.spo.model import build_spm
+    from diffalign.adapters.base import DTYPES
+    from diffalign.prompts import resolve_prompts
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(cfg.output_dir)
@@ -328,9 +321,9 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
         log(f"train-spm: {generation['pairs']} pairs ({generation['ties']} ties) from {generation['images']} images, "
             f"mean reward {generation['reward_mean']:.3f}; written to {out / 'pairs'}")
     if pairs.images_0.shape[-1] != resolution or pairs.images_0.shape[-2] != resolution:
-        from diffalign.recipes.diffusion_dpo import _resize
+        from diffalign.images import resize
 
-        pairs = PairSet(_resize(pairs.images_0, resolution), _resize(pairs.images_1, resolution), pairs.prompts, pairs.label_0)
+        pairs = PairSet(resize(pairs.images_0, resolution), resize(pairs.images_1, resolution), pairs.prompts, pairs.label_0)
     train_set, held = pairs.split(cfg.pairs.heldout_fraction, seed=cfg.seed)
     if len(train_set) == 0:
         raise ConfigError("config key 'pairs.heldout_fraction' leaves no training pairs")

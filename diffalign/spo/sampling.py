@@ -32,9 +32,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
-from diffalign.algorithms.spo import choose_continuation, select_pairs
+from diffalign.algorithms.continuation import choose_continuation
+from diffalign.algorithms.spo import select_pairs
 from diffalign.forward_process import noise_level
-from diffalign.sampling import Kernel
+from diffalign.sampling.linear import Kernel
 
 # scorer(images (N,3,H,W) in [0,1], prompts (N), noise levels (N,)) -> scores (N,)
 Scorer = Callable[[torch.Tensor, Sequence[str], torch.Tensor], torch.Tensor]

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
-from diffalign.sampling import Kernel, Trajectory, build_kernel, sample_linear
+from diffalign.sampling.linear import Kernel, Trajectory, build_kernel, sample_linear
 
 SEED_HIGH = 2**31 - 1  # seeds are drawn in [0, SEED_HIGH), as in the Sol-RL reference
 

@@ -21,7 +21,7 @@ import torch
 import schedulers
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.errors import ConfigError
-from diffalign.sampling import Kernel, draw_noise
+from diffalign.sampling.linear import Kernel, draw_noise
 
 MAX_SUBSTEPS = 8  # the paper reports K robust in 2..8; more only adds cost
 

@@ -23,10 +23,9 @@ Two architectures, one interface (``model(images, prompts, tau) -> scores (B,)``
   through adaptive GroupNorm; coordinate channels let the pooled features see positions
   ("left of").
 
-Sources for :func:`load_spm` (also the ``model`` of the ``spm`` reward): a folder written by
-:meth:`StepAwarePreferenceModel.save_pretrained` (``spm_config.json`` + weights), ``tiny:shapes``
-/ ``tiny:clip`` (random models built in code, for tests and smoke runs), or a CLIP / PickScore
-hub id or folder (an untrained time-conditioned CLIP: its backbone's score at every t).
+Sources for :func:`load_spm` (also the ``spm`` reward's ``model``): a folder of ``save_pretrained``
+(``spm_config.json`` + weights), ``tiny:shapes`` / ``tiny:clip`` (random models built in code, for
+tests), or a CLIP / PickScore hub id or folder (untrained: its backbone's score at every t).
 """
 
 from __future__ import annotations
@@ -44,12 +43,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from diffalign.errors import DiffalignError
+from reward_models.loading import first_line, looks_like_path
 
 SPM_CONFIG_FILE = "spm_config.json"  # {"kind": "shapes" | "clip", ...constructor arguments}
 SPM_WEIGHTS_FILE = "spm.safetensors"  # ShapesSPM: all weights; ClipSPM: the time-conditioning weights
 CLIP_BACKBONE_DIR = "backbone"  # ClipSPM: the CLIPModel (save_pretrained), tokenizer and preprocessor config
 TIME_SCALE = 1000.0  # tau -> 1000 * tau before the sinusoidal embedding (the reference embeds DDPM indices)
-TINY_MAX_TOKENS = 64  # tiny:clip tokenizes characters: prompts of the ShapesWorld stay under 64  # tokenizer + preprocessing of PickScore's backbone
+TINY_MAX_TOKENS = 64  # tiny:clip tokenizes characters: prompts of the ShapesWorld stay under 64
 
 
 class SPMError(DiffalignError):
@@ -415,19 +415,10 @@ class ClipSPM(StepAwarePreferenceModel):
         return model
 
 
-def _looks_like_path(name: str) -> bool:
-    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _load_clip(model: str, processor: str, dtype: torch.dtype):
     """(CLIPModel, tokenizer, preprocessor config dict or None) from hub ids or folders."""
     for what, name in (("model", model), ("processor", processor)):
-        if _looks_like_path(name) and not os.path.isdir(os.path.expanduser(name)):
+        if looks_like_path(name) and not os.path.isdir(os.path.expanduser(name)):
             raise SPMError(f"SPM: {what} folder {name!r} does not exist")
     from transformers import AutoTokenizer, CLIPModel
     from transformers.image_processing_utils import ImageProcessingMixin
@@ -436,11 +427,11 @@ def _load_clip(model: str, processor: str, dtype: torch.dtype):
     try:
         clip_model = CLIPModel.from_pretrained(model_path, dtype=dtype)
     except Exception as exc:  # offline, missing files, not a CLIP checkpoint
-        raise SPMError(f"SPM: cannot load CLIP backbone {model!r}: {_first_line(exc)}") from None
+        raise SPMError(f"SPM: cannot load CLIP backbone {model!r}: {first_line(exc)}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(processor_path)
     except Exception as exc:
-        raise SPMError(f"SPM: cannot load the tokenizer from {processor!r}: {_first_line(exc)}") from None
+        raise SPMError(f"SPM: cannot load the tokenizer from {processor!r}: {first_line(exc)}") from None
     try:
         processor_config, _ = ImageProcessingMixin.get_image_processor_dict(processor_path)
     except (OSError, ValueError):  # no preprocessor_config.json: CLIP's defaults
@@ -456,7 +447,7 @@ def _read_weights(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file), device="cpu")
     except Exception as exc:
-        raise SPMError(f"cannot read SPM weights {str(file)!r}: {_first_line(exc)}") from None
+        raise SPMError(f"cannot read SPM weights {str(file)!r}: {first_line(exc)}") from None
 
 
 # --------------------------------------------------------------------------------------------

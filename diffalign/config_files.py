@@ -1,0 +1,188 @@
+"""Reading a run config: YAML files, ``dotted.key=value`` overrides, type coercion, dumping.
+
+:func:`load_config` is the one way a run's :class:`~diffalign.config.RunConfig` is made: the YAML
+file, then the overrides, then every value coerced to its field's type and validated, with errors
+that name the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from diffalign.config import ALGORITHM_CONFIGS, AlgorithmConfig, RunConfig
+from diffalign.errors import ConfigError
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check / convert ``value`` to the annotated type ``tp``; errors name ``key``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"config key '{key}' has an invalid value {value!r}")
+    if origin is Literal:
+        if isinstance(value, bool) and ("no" if not value else "yes") in args:
+            value = "no" if not value else "yes"  # YAML 1.1 reads a bare no / yes as a boolean
+        if value not in args:
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(str, args))}; got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}' must be a list; got {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping; got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' must be true or false; got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"config key '{key}' must be an integer; got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config key '{key}' must be a number; got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config key '{key}' must be a string; got {value!r}")
+    return value
+
+
+def from_dict(cls, data: Any, prefix: str = ""):
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys (named in the error)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix or '<root>'}' must be a mapping; got {data!r}")
+    if cls is AlgorithmConfig or (prefix == "algorithm" and issubclass(cls, AlgorithmConfig)):
+        name = data.get("name", "flow_grpo")
+        _ensure_algorithms_registered(name)
+        if name not in ALGORITHM_CONFIGS:
+            raise ConfigError(f"config key 'algorithm.name' is unknown: {name!r}; known: {', '.join(sorted(ALGORITHM_CONFIGS))}")
+        cls = ALGORITHM_CONFIGS[name]
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            full = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(f"unknown config key '{full}' (known in this section: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            full = f"{prefix}.{f.name}" if prefix else f.name
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name], full)
+    return cls(**kwargs)
+
+
+def _ensure_algorithms_registered(name: str | None = None) -> None:
+    # Algorithms outside diffalign.config register their configs on import: import the recipe
+    # module registered for `name` when its config is not known yet.
+    import importlib
+
+    from diffalign.recipes import recipe_module
+
+    module = recipe_module(name) if name is not None and name not in ALGORITHM_CONFIGS else None
+    if module is not None:
+        importlib.import_module(module)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like dotted.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise ConfigError(f"override {text!r}: '{part}' is not a section")
+            node = node[part]
+        node[path[-1]] = value
+    return data
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
+    """YAML file (optional) + ``key=value`` overrides -> validated :class:`RunConfig`."""
+    data = dict(base or {})
+    if path is not None:
+        data.update(read_yaml(path))
+    data = apply_overrides(data, list(overrides))
+    cfg = from_dict(RunConfig, data)
+    cfg.validate()
+    return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

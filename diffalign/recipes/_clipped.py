@@ -1,0 +1,35 @@
+"""The clipped-surrogate update of one micro-batch of SDE transitions, shared by the recipes that
+train with PPO's clipped ratio and an optional KL to the reference (Flow-GRPO and its variants,
+BranchGRPO, DRM Step-GRPO). The math is :mod:`diffalign.algorithms.flow_grpo`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
+
+CLIP_STATS = ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean")  # logged per micro-batch
+
+
+def reference_kl(trainer, x: torch.Tensor, t: torch.Tensor, embeds, guidance_scale: float, step,
+                 rescore: Callable) -> torch.Tensor:
+    """Per-transition KL between the policy's Gaussian step ``step`` and the reference model's on
+    the same transition: ``rescore(reference_output)`` re-scores it under the reference's output."""
+    with torch.no_grad(), trainer.reference_model(), trainer.autocast():
+        ref_out = trainer.adapter.predict(x, t, embeds, guidance_scale)
+    return gaussian_mean_kl(step.mean, rescore(ref_out).mean, step.std)
+
+
+def accumulate_clipped(trainer, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                       kl, algo, terms: int, stats: dict[str, list[float]]) -> bool:
+    """PPO's clipped loss of one micro-batch (plus ``algo.beta`` x ``kl``), normalised by ``terms``
+    (the optimizer step's transitions over all processes) and accumulated; the micro-batch's
+    statistics are appended to ``stats``. False when the loss was non-finite (the step is poisoned)."""
+    res = ppo_clip_loss(log_prob, old_log_prob, advantages, clip_range=algo.clip_range, kl=kl, beta=algo.beta)
+    if not trainer.accumulate(res.per_sample.sum() / float(terms)):
+        return False
+    for key in CLIP_STATS:
+        stats[key].append(float(getattr(res, key).detach()))
+    return True

@@ -1,0 +1,204 @@
+"""The optimisation backend: the optimizer and its step on one process, DDP, ZeRO-1/2 or FSDP.
+
+Losses are normalised by the global number of terms of an optimizer step, so gradients are summed
+over micro-batches and processes. A non-finite loss poisons its step on every process: the step
+is dropped and counted, and too many in a row stop the run (``train.max_nonfinite_losses``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from diffalign import distributed
+from diffalign.errors import ConfigError, NonFiniteError
+from diffalign.training.policy import EMA
+
+
+def make_optimizer(params: list, opt) -> torch.optim.Optimizer:
+    """The optimizer of ``optim.name`` over ``params``: torch AdamW (bitsandbytes AdamW8bit with
+    ``optim.use_8bit_adam``) or plain SGD, whose step is linear in the gradients."""
+    if opt.name == "sgd":
+        return torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    if opt.use_8bit_adam:
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ConfigError("config key 'optim.use_8bit_adam' needs bitsandbytes (pip install 'diffalign[gpu]')") from None
+        optim_cls = bnb.optim.AdamW8bit
+    else:
+        optim_cls = torch.optim.AdamW
+    return optim_cls(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+
+
+def allow_precision(mixed_precision: str) -> None:
+    """accelerate keeps one precision per process. A single, unlaunched process may run trainers of
+    different precisions in turn (benchmarks, tests): forget the earlier one's. A launched
+    multi-process run keeps accelerate's check."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    if not AcceleratorState._shared_state or AcceleratorState._shared_state.get("_mixed_precision") in (None, mixed_precision):
+        return
+    if PartialState().num_processes == 1:
+        AcceleratorState._reset_state()
+
+
+class Backend:
+    """Trainable parameters, optimizer (plain, DeepSpeed ZeRO engine, or FSDP-sharded) and EMA.
+
+    ``stats`` is the trainer's counter dict (``nonfinite_losses`` and ``skipped_steps`` are counted here)."""
+
+    def __init__(self, denoiser: torch.nn.Module, cfg, accelerator, device, *, supports_fsdp: bool,
+                 stats: dict, log: Callable[[str], None]):
+        self.cfg = cfg
+        self.accelerator = accelerator
+        self.device = device
+        self.stats = stats
+        self.consecutive_bad_steps = 0
+        self.fsdp_units = None
+        fsdp = distributed.fsdp_requested(cfg)
+        if fsdp and not supports_fsdp:
+            raise ConfigError(f"config key 'train.fsdp': algorithm {cfg.algorithm.name!r} does not support FSDP yet "
+                              "(flow_grpo and stepwise_flow_grpo do); use train.zero_stage=2")
+        if fsdp and accelerator.num_processes > 1:  # one process: nothing to shard
+            self.fsdp_units = distributed.shard_denoiser(denoiser, device, accelerator.num_processes)
+            log(f"FSDP: {len(self.fsdp_units)} units over {accelerator.num_processes} processes")
+        self.trainable_names = [n for n, p in denoiser.named_parameters() if p.requires_grad]
+        self.trainable = [p for p in denoiser.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ConfigError("config key 'lora' leaves no trainable parameters")
+        self.optimizer = make_optimizer(self.trainable, cfg.optim)
+        self.ds_engine = None
+        stage = distributed.zero_stage(cfg, accelerator)
+        if stage:
+            # The rollouts call the raw denoiser (ZeRO-1/2 keep full weights on every process); the
+            # engine owns the gradient reduction, clipping and the sharded optimizer step.
+            self.ds_engine, self.optimizer = distributed.initialize(denoiser, self.optimizer, cfg, stage, accelerator.num_processes)
+            log(f"DeepSpeed ZeRO-{stage} over {accelerator.num_processes} processes")
+        elif self.fsdp_units is None:  # under FSDP the plain optimizer steps the sharded parameters
+            self.optimizer = accelerator.prepare(self.optimizer)
+        self.ema = EMA(self.trainable, cfg.train.ema.decay, cfg.train.ema.every) if cfg.train.ema.enabled else None
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP: every process must run the same forwards (evaluation included)."""
+        return self.fsdp_units is not None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate one micro-batch's gradients."""
+        if self.ds_engine is not None:
+            distributed.backward(self.ds_engine, loss, self.accelerator.num_processes)
+        else:
+            self.accelerator.backward(loss)
+
+    def discard_gradients(self) -> None:
+        """Drop the accumulated gradients without a step (a non-finite loss poisoned them)."""
+        if self.ds_engine is not None:
+            distributed.discard(self.ds_engine, self.trainable)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def lockstep_counts(self, counts: list[int]) -> list[int]:
+        """How many micro-batches every process must run per optimizer step: the global maximum of
+        ``counts`` under FSDP (processes with fewer run zero-loss forwards), else ``counts``."""
+        if not self.sharded:
+            return list(counts)
+        import torch.distributed as dist
+
+        t = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
+
+    def accumulate(self, loss: torch.Tensor) -> bool:
+        """Backward one micro-batch's loss and return True; a non-finite loss is counted, its
+        gradients never reach the parameters, and False marks the step as poisoned. Under FSDP a
+        zero backward still runs so that every process takes part in the same collectives."""
+        if torch.isfinite(loss):
+            self.backward(loss)
+            return True
+        self.stats["nonfinite_losses"] += 1
+        if self.sharded:
+            self.backward(torch.nan_to_num(loss) * 0.0)
+        return False
+
+    def close_step(self, poisoned: bool) -> tuple[float, bool]:
+        """End one optimizer step's accumulation: every process learns whether any of them saw a
+        non-finite loss; if so the gradients are dropped and the step counted as skipped, else
+        :meth:`optimizer_step` runs. Returns (grad_norm, applied); NaN for a dropped step."""
+        if self.accelerator.num_processes > 1:  # every process must skip together
+            flag = torch.tensor(float(poisoned), device=self.device)
+            poisoned = bool(self.accelerator.reduce(flag, reduction="sum") > 0)
+        if poisoned:
+            self.discard_gradients()
+            return self.bad_step(float("nan"), "losses")
+        return self.optimizer_step()
+
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Clip, check and apply the accumulated gradients. Returns (grad_norm, applied)."""
+        params = self.trainable
+        if self.ds_engine is not None:  # the engine reduces, clips, checks and steps
+            norm, applied = distributed.step(self.ds_engine, params)
+            if not applied:
+                return self.bad_step(norm)
+        else:
+            if self.fsdp_units is not None:  # gradients already reduce-scattered (summed) by FSDP
+                norm = distributed.fsdp_grad_norm_clip(params, self.cfg.optim.grad_clip)
+            else:
+                if self.accelerator.num_processes > 1:
+                    # Losses are normalised by global term counts, so the global gradient is the sum.
+                    import torch.distributed as dist
+
+                    for p in params:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                if self.cfg.optim.grad_clip > 0:
+                    norm = float(self.accelerator.clip_grad_norm_(params, self.cfg.optim.grad_clip))
+                else:
+                    norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
+            if not math.isfinite(norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                return self.bad_step(norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.consecutive_bad_steps = 0
+        if self.ema is not None:
+            self.ema.update()
+        return norm, True
+
+    def bad_step(self, norm: float, what: str = "gradients") -> tuple[float, bool]:
+        """Count a skipped step; raise ``NonFiniteError`` after too many in a row."""
+        self.stats["skipped_steps"] += 1
+        self.consecutive_bad_steps += 1
+        if self.consecutive_bad_steps > self.cfg.train.max_nonfinite_losses:
+            raise NonFiniteError(
+                f"{self.consecutive_bad_steps} consecutive optimizer steps had non-finite {what}; stopping"
+                " (lower optim.lr or check the reward)"
+            )
+        return norm, False
+
+    # ---- state ----------------------------------------------------------------------------------
+    def optimizer_state(self) -> dict | None:
+        """The optimizer's state; with ZeRO every process's partition, gathered on the main process
+        (a collective: every process calls it). None on the other processes."""
+        if self.ds_engine is not None:
+            return distributed.gather_optimizer_state(self.optimizer, self.accelerator.is_main_process)
+        if self.sharded:
+            return distributed.to_full(self.optimizer.state_dict())
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict, where: str) -> None:
+        """Load a checkpoint's optimizer state (``where`` names the checkpoint in errors)."""
+        from diffalign.runs import RunDirError
+
+        if self.ds_engine is not None:
+            distributed.load_optimizer_state(self.optimizer, state, where)
+        elif distributed.is_zero_state(state):
+            raise RunDirError(f"checkpoint {where!r} holds ZeRO optimizer partitions: resume it with train.zero_stage "
+                              f"{state['zero_stage']}")
+        elif self.sharded:
+            self.optimizer.load_state_dict(distributed.shard_optimizer_state(state, self.optimizer))
+        else:
+            self.optimizer.load_state_dict(state)

@@ -1,0 +1,76 @@
+"""Group planning: an iteration's prompts, SDE window and noise, drawn globally and sliced per process.
+
+Shared by the group-rollout recipes (Flow-GRPO and its variants, Stepwise-Flow-GRPO, DRM
+Step-GRPO). Every process draws the same global tensors from the trainer's shared generator and
+keeps its own slice, so that N processes sample exactly what one process would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diffalign.sampling import sde_window_mask
+
+
+@dataclass
+class GroupRollout:
+    """What one iteration of group rollouts samples, drawn globally and sliced for this process."""
+
+    prompts: list[str]  # this process's prompts (one per group)
+    sample_prompts: list[str]  # one per sample: each prompt repeated group_size times
+    n_local: int
+    n_global: int
+    first: int  # global id of this process's first sample
+    sde_mask: torch.Tensor  # (num_steps,) bool: which steps are SDE steps this iteration
+    noise: torch.Tensor  # (n_local, *latent) initial noise
+    step_noise: torch.Tensor | None  # (n_local, num_steps, *latent) per-step SDE noise (None: not drawn)
+    embeds: object  # prompt embeddings, one row per sample (with the unconditional half under CFG)
+    schedule: torch.Tensor
+
+
+def plan_group_rollout(trainer, iteration: int, *, with_step_noise: bool = True) -> GroupRollout:
+    """Draw an iteration's prompts, SDE window and all of its noise from the trainer's shared
+    generator: every process draws the same global tensors and keeps its own slice, so that N
+    processes sample exactly what one process would. A sampler that
+    draws its step noise itself (DRM Step-GRPO's k candidates per step) passes
+    ``with_step_noise=False``."""
+    cfg, s = trainer.cfg, trainer.cfg.sampling
+    world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
+    per_proc, group = cfg.rollout.prompts_per_iteration, cfg.rollout.group_size
+    all_prompts = trainer.prompt_sampler.next(per_proc * world)  # identical on every process
+    prompts = all_prompts[rank * per_proc : (rank + 1) * per_proc]
+    sample_prompts = [p for p in prompts for _ in range(group)]
+    n_local, n_global = len(sample_prompts), len(all_prompts) * group
+    local = slice(rank * n_local, (rank + 1) * n_local)
+    sde_mask = sde_window_mask(s.num_steps, s.window_size, mode=s.window_mode, start=s.window_start, iteration=iteration,
+                               slide_every=s.window_slide_every, stride=s.window_stride, generator=trainer.generator)
+    latent = trainer.adapter.latent_shape(trainer.resolution, trainer.resolution)
+    noise = torch.randn((n_global, *latent), generator=trainer.generator)[local]
+    step_noise = torch.randn((n_global, s.num_steps, *latent), generator=trainer.generator)[local] if with_step_noise else None
+    embeds = trainer.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
+    schedule = trainer.adapter.make_schedule(s.num_steps, trainer.resolution, trainer.resolution)
+    return GroupRollout(prompts, sample_prompts, n_local, n_global, rank * n_local, sde_mask, noise, step_noise, embeds, schedule)
+
+
+def reward_summary(rewards: torch.Tensor) -> dict[str, float]:
+    """``reward_mean`` / ``reward_std`` over the finite rewards (NaN / 0 when there are too few)."""
+    finite = torch.isfinite(rewards)
+    return {"reward_mean": float(rewards[finite].mean()) if finite.any() else float("nan"),
+            "reward_std": float(rewards[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0}
+
+
+def gathered_group_advantages(trainer, rewards: torch.Tensor, n_global: int, iteration: int, *, std_mode: str,
+                              eps: float, clip: float, filter_zero_std: bool):
+    """Check this process's rewards, gather every process's (sample order), and compute the group
+    advantages of :func:`diffalign.algorithms.flow_grpo.group_advantages`. Returns the advantages
+    and the iteration's reward and advantage statistics."""
+    from diffalign.algorithms.flow_grpo import group_advantages
+
+    rewards = trainer.check_rewards(rewards, iteration)
+    all_rewards = trainer.accelerator.gather(rewards.to(trainer.device)).cpu()  # (n_global,) in sample order
+    group_ids = torch.arange(n_global) // trainer.cfg.rollout.group_size
+    adv = group_advantages(all_rewards, group_ids, std_mode=std_mode, eps=eps, clip=clip, filter_zero_std=filter_zero_std)
+    return adv, {**reward_summary(all_rewards), "advantage_abs_mean": float(adv.advantages.abs().mean()),
+                 "zero_std_frac": adv.zero_std_fraction, "kept_frac": float(adv.keep.float().mean())}
