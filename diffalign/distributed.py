@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-1/2 for the trainers, and xformers attention.
 
-Without ZeRO, diffalign all-reduces the accumulated gradients itself (``Trainer.optimizer_step``).
+Without ZeRO, diffalign all-reduces the accumulated gradients itself (``training.backend.Backend.optimizer_step``).
 With ``train.zero_stage`` 1 or 2 (or an accelerate config of type DEEPSPEED, which sets it) the
 trainable parameters and their optimizer go through ``deepspeed.initialize`` and the engine owns
 the reduction, the clipping and the sharded step. The engine is driven directly, because the

@@ -1,5 +1,5 @@
-"""Run by tests/test_zero.py under torch.distributed.run: drives a ZeRO-2 trainer's backward /
-discard / step by hand and writes what it saw to argv[1] (rank 0)."""
+"""Run by tests/test_zero.py under torch.distributed.run: drives a ZeRO-2 trainer's backend (backward /
+discard / step) by hand and writes what it saw to argv[1] (rank 0)."""
 
 import json
 import sys
@@ -22,12 +22,12 @@ def main(out: str, run_dir: str) -> None:
     def loss_fn():  # a different loss on each process; the global gradient is their sum
         return sum(((x.float() - 0.1 * (rank + 1)) ** 2).sum() for x in p)
 
-    tr.backward(loss_fn())
-    tr.discard_gradients()
+    tr.backend.backward(loss_fn())
+    tr.backend.discard_gradients()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, p))
-    tr.backward(loss_fn())
-    tr.backward(loss_fn())  # two micro-batches: accumulated
-    norm, applied = tr.optimizer_step()
+    tr.backend.backward(loss_fn())
+    tr.backend.backward(loss_fn())  # two micro-batches: accumulated
+    norm, applied = tr.backend.optimizer_step()
     # expected global gradient: sum over ranks and micro-batches of 2 (x - c_r)
     world = tr.accelerator.num_processes
     grads = [sum(4 * (b.float() - 0.1 * (r + 1)) for r in range(world)) for b in before]
