@@ -56,15 +56,33 @@ def run_variant(config: str, name: str, overrides: list[str], out: Path, iterati
     return {"name": name, "overrides": overrides, "iterations": iterations, "seconds": seconds,
             "before": {k: evals[0][k] for k in METRICS}, "after": {k: evals[-1][k] for k in METRICS},
             "train_reward_first": train[0]["reward_mean"], "train_reward_last": train[-1]["reward_mean"],
-            "approx_kl_last": train[-1].get("approx_kl"), "clip_frac_last": train[-1].get("clip_frac")}
+            "approx_kl_last": train[-1].get("approx_kl"), "clip_frac_last": train[-1].get("clip_frac"),
+            "paired": paired_differences(run_dir)}
+
+
+def paired_differences(run_dir: Path) -> dict[str, list[float]]:
+    """``after - before`` of each headline metric with its paired 95 % interval, from the run's
+    per-image records of its first and last evaluation (same prompts and seed)."""
+    from diffalign.evaluation import Evaluation
+
+    paths = sorted((run_dir / "eval_records").glob("iter-*.json"))
+    if len(paths) < 2:
+        return {}
+    before, after = (Evaluation.from_records(json.loads(p.read_text())["heldout"]["records"]) for p in (paths[0], paths[-1]))
+    diffs = after.compare(before)
+    return {k: [diffs[k].value, diffs[k].lo, diffs[k].hi] for k in ("acc/images", "partial", "acc/overall") if k in diffs}
 
 
 def format_rows(results: list[dict]) -> str:
     rows = sorted(results, key=lambda r: (r["after"][METRICS[0]], r["after"][METRICS[1]]), reverse=True)
-    lines = [f"{'variant':18}{'pass rate':>22}{'partial credit':>22}{'family mean':>22}{'train reward':>16}{'min':>6}"]
+    lines = [f"{'variant':18}{'pass rate':>22}{'partial credit':>22}{'family mean':>22}{'train reward':>16}{'min':>6}"
+             f"   paired pass-rate difference [95 % interval]"]
     for r in rows:
         cells = "".join(f"{r['before'][k]:>10.3f} -> {r['after'][k]:.3f}" for k in METRICS)
-        lines.append(f"{r['name']:18}{cells}{r['train_reward_first']:>8.3f}->{r['train_reward_last']:.3f}{r['seconds'] / 60:>6.1f}")
+        paired = r.get("paired", {}).get("acc/images")
+        diff = (f"   {paired[0]:+.3f} [{paired[1]:+.3f}, {paired[2]:+.3f}]{' *' if paired[1] > 0 or paired[2] < 0 else ''}"
+                if paired else "")
+        lines.append(f"{r['name']:18}{cells}{r['train_reward_first']:>8.3f}->{r['train_reward_last']:.3f}{r['seconds'] / 60:>6.1f}{diff}")
     return "\n".join(lines)
 
 
@@ -91,7 +109,10 @@ def main(argv=None) -> int:
             print(f"- {name}: {' '.join(VARIANTS[name]) or '(as shipped)'}", flush=True)
             result = run_variant(args.config, name, VARIANTS[name], out, args.iterations, list(args.overrides))
             piece.write_text(json.dumps(result, indent=1))
-        results.append(json.loads(piece.read_text()))
+        result = json.loads(piece.read_text())
+        if "paired" not in result:  # a piece written before the paired differences were recorded
+            result["paired"] = paired_differences(out / "runs" / name)
+        results.append(result)
     print(f"\nvalidation prompts (training split), {args.iterations} iterations per variant; before -> after")
     print(format_rows(results))
     best = max(results, key=lambda r: (r["after"][METRICS[0]], r["after"][METRICS[1]]))

@@ -4,6 +4,8 @@ import importlib.util
 import json
 import sys
 
+import pytest
+
 TINY = ["model.id=tiny:shapes", "rollout.prompts_per_iteration=2", "rollout.group_size=4", "rollout.sample_batch_size=8",
         "train.batch_size=8", "sampling.eval_num_steps=2", "eval.num_prompts=4"]
 BRIGHTNESS = ["reward.name=brightness", "reward.kwargs={}"]  # a reward the random tiny model varies on
@@ -26,6 +28,9 @@ def test_sweep_runs_each_variant_once_and_resumes(repo_root, tmp_path, capsys):
     piece = json.loads((tmp_path / "lr1e-3.json").read_text())
     assert piece["overrides"] == ["optim.lr=1e-3"] and piece["iterations"] == 1
     assert set(piece["after"]) == set(sweep.METRICS)
+    # the paired difference of the pass rate, from the run's own per-image records, with its interval
+    diff, lo, hi = piece["paired"]["acc/images"]
+    assert lo <= diff <= hi and diff == pytest.approx(piece["after"]["eval/acc/images"] - piece["before"]["eval/acc/images"], abs=1e-9)
     # the validation prompts come from the training split only
     cfg = (tmp_path / "runs" / "lr1e-3" / "config.yaml").read_text()
     assert "evaluate_on: validation" in cfg
