@@ -44,3 +44,25 @@ def test_iteration_speed_prints_the_ratio(repo_root, capsys):
     assert speed.main(["--iterations", "1", *TINY, *BRIGHTNESS]) == 0
     out = capsys.readouterr().out
     assert "old/new" in out and "self-check" in out
+
+
+def test_paired_runs_pairs_the_last_evaluations(repo_root, tmp_path, capsys):
+    paired = _load(repo_root, "paired_runs")
+    families = ["counting", "colors"]
+    prompts = [f"{f} prompt {i}" for f in families for i in range(6)]
+
+    def write(run: str, passed_from: int) -> None:
+        records = [{"prompt": p, "family": p.split()[0], "passed": float(i >= passed_from), "score": float(i >= passed_from)}
+                   for i, p in enumerate(prompts) for _ in range(2)]
+        path = tmp_path / run / "eval_records" / "iter-000004.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"iteration": 4, "heldout": {"records": records}}))
+
+    write("base_run", passed_from=8)  # 4 of 12 prompts pass
+    write("better_run", passed_from=0)  # all pass
+    assert paired.main([str(tmp_path / "base_run"), str(tmp_path / "better_run")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("acc/images"))
+    assert "+0.667" in line and line.rstrip().endswith("*")
+    (tmp_path / "other" / "eval_records").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="no eval_records"):
+        paired.main([str(tmp_path / "base_run"), str(tmp_path / "other")])
