@@ -19,14 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 
 from diffalign.algorithms.awm import WEIGHTINGS, awm_loss, stratified_levels
 from diffalign.algorithms.diffusion_nft import ema_update_, old_policy_decay
 from diffalign.config import AlgorithmConfig, check, register_algorithm_config
 from diffalign.recipes.diffusion_nft import OLD_ADAPTER, DiffusionNFTTrainer, SeededSamples
-from diffalign.sampling.seeded import SEED_HIGH, seed_noise
 
 
 @register_algorithm_config("awm")
@@ -101,72 +99,26 @@ class AWMTrainer(DiffusionNFTTrainer):
 
     def update(self, samples: SeededSamples, advantages: torch.Tensor, keep: torch.Tensor) -> dict:
         """AWM updates on this process's samples; ``advantages`` / ``keep`` are global (n_global,)."""
-        cfg, algo = self.cfg, self.algo
-        dev = self.device
-        g = algo.train_guidance_scale
-        schedule = self.adapter.make_schedule(cfg.sampling.num_steps, self.resolution, self.resolution)
-        latent = tuple(samples.x0.shape[1:])
-        n_global, first_local, n_local = samples.n_global, int(samples.sample_ids[0]), len(samples.sample_ids)
+        algo, g = self.algo, self.algo.train_guidance_scale
+
+        def batch_loss(x0, eps, t, x_t, emb, adv):
+            with self.autocast():
+                v_theta = self.adapter.predict(x_t, t, emb, g)
+            v_ema = v_ref = None
+            if algo.ema_kl_beta > 0:
+                with torch.no_grad(), self.adapter_active(OLD_ADAPTER), self.autocast():
+                    v_ema = self.adapter.predict(x_t, t, emb, g)
+                if not self._checked:
+                    self._self_check(v_theta.detach(), v_ema)
+            if algo.kl_beta > 0:
+                with torch.no_grad(), self.reference_model(), self.autocast():
+                    v_ref = self.adapter.predict(x_t, t, emb, g)
+            return awm_loss(v_theta, x0, eps, t, adv, v_ref=v_ref, v_ema=v_ema, weighting=algo.weighting,
+                            ghuber_power=algo.ghuber_power, adv_clip=algo.adv_clip, advantage_max=algo.advantage_max,
+                            kl_beta=algo.kl_beta, ema_kl_beta=algo.ema_kl_beta)
+
         keys = ("loss", "policy_loss", "matching_loss", "kl", "ema_kl")
-        stats: dict[str, list] = {k: [] for k in keys + ("grad_norm",)}
-        steps_applied = 0
-        self.adapter.denoiser.train()
-        for _epoch in range(cfg.train.inner_epochs):
-            perm = torch.randperm(n_global, generator=self.generator)
-            level_idx = self.trained_levels(n_global)  # (n_global, K)
-            noise_seeds = torch.randint(0, SEED_HIGH, tuple(level_idx.shape), generator=self.generator)
-            mine = (perm >= first_local) & (perm < first_local + n_local) & keep[perm]
-            order_global = perm[mine]
-            order = order_global - first_local
-            n_levels = level_idx.shape[1]
-            batches = [slice(s, s + cfg.train.batch_size) for s in range(0, len(order), cfg.train.batch_size)]
-            micro = [(b, j) for b in batches for j in range(n_levels)]
-            groups = np.array_split(np.arange(len(micro)), cfg.train.optimizer_steps_per_iteration)
-            local_terms = torch.tensor([sum(len(order[micro[m][0]]) for m in grp) for grp in groups], dtype=torch.float64)
-            global_terms = self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu() if self.accelerator.num_processes > 1 else local_terms
-            for gi, grp in enumerate(groups):
-                if global_terms[gi] == 0:
-                    continue
-                bad = False
-                for m in grp:
-                    b, j = micro[m]
-                    rows, grows = order[b], order_global[b]
-                    x0 = samples.x0[rows].to(dev).float()
-                    t = schedule[level_idx[grows, j]].to(dev)
-                    eps, _ = seed_noise(noise_seeds[grows, j], latent)
-                    eps = eps.to(dev)
-                    tb = t.reshape(-1, *([1] * len(latent)))
-                    x_t = (1 - tb) * x0 + tb * eps
-                    emb = samples.embeds.select(rows.to(samples.embeds.cond[next(iter(samples.embeds.cond))].device))
-                    with self.autocast():
-                        v_theta = self.adapter.predict(x_t, t, emb, g)
-                    v_ema = v_ref = None
-                    if algo.ema_kl_beta > 0:
-                        with torch.no_grad(), self.adapter_active(OLD_ADAPTER), self.autocast():
-                            v_ema = self.adapter.predict(x_t, t, emb, g)
-                        if not self._checked:
-                            self._self_check(v_theta.detach(), v_ema)
-                    if algo.kl_beta > 0:
-                        with torch.no_grad(), self.reference_model(), self.autocast():
-                            v_ref = self.adapter.predict(x_t, t, emb, g)
-                    res = awm_loss(v_theta, x0, eps, t, advantages[grows].to(dev), v_ref=v_ref, v_ema=v_ema,
-                                   weighting=algo.weighting, ghuber_power=algo.ghuber_power, adv_clip=algo.adv_clip,
-                                   advantage_max=algo.advantage_max, kl_beta=algo.kl_beta, ema_kl_beta=algo.ema_kl_beta)
-                    loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not self.accumulate(loss):
-                        bad = True
-                        continue
-                    for key in keys:
-                        stats[key].append(float(getattr(res, key).detach()))
-                norm, applied = self.close_step(bad)
-                if applied:
-                    stats["grad_norm"].append(norm)
-                steps_applied += int(applied)
-                self.optimizer_steps_done += int(applied)
-                self._checked |= applied
-        out = self.mean_stats(stats)
-        out["optimizer_steps"] = steps_applied
-        return out
+        return self.matching_update(samples, advantages, keep, self.trained_levels, batch_loss, keys)
 
     def print_header(self) -> None:
         super(DiffusionNFTTrainer, self).print_header()

@@ -27,7 +27,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional
+from typing import Callable, Iterator, Literal, Optional
 
 import numpy as np
 import torch
@@ -253,20 +253,46 @@ class DiffusionNFTTrainer(Trainer):
 
     def update(self, samples: SeededSamples, advantages: torch.Tensor, keep: torch.Tensor) -> dict:
         """NFT updates on this process's samples; ``advantages`` / ``keep`` are global (n_global,)."""
-        cfg, algo = self.cfg, self.algo
-        dev = self.device
-        g = algo.train_guidance_scale
+        algo, g = self.algo, self.algo.train_guidance_scale
+
+        def batch_loss(x0, eps, t, x_t, emb, adv):
+            with torch.no_grad(), self.adapter_active(OLD_ADAPTER), self.autocast():
+                v_old = self.adapter.predict(x_t, t, emb, g)
+            with self.autocast():
+                v_theta = self.adapter.predict(x_t, t, emb, g)
+            if not self._checked:
+                self._self_check(v_theta.detach(), v_old)
+            v_ref = None
+            if algo.kl_beta > 0:
+                with torch.no_grad(), self.reference_model(), self.autocast():
+                    v_ref = self.adapter.predict(x_t, t, emb, g)
+            return nft_loss(v_theta, v_old, x_t, x0, t, adv, v_ref=v_ref, nft_beta=algo.nft_beta, adv_clip=algo.adv_clip,
+                            policy_loss_scale=algo.policy_loss_scale, kl_beta=algo.kl_beta, weight_min=algo.weight_min)
+
+        keys = ("loss", "policy_loss", "kl", "positive_loss", "negative_loss", "r_mean", "old_deviation")
+        levels = lambda n: self.trained_noise_levels(n, self.cfg.sampling.num_steps)  # noqa: E731
+        return self.matching_update(samples, advantages, keep, levels, batch_loss, keys)
+
+    def matching_update(self, samples: SeededSamples, advantages: torch.Tensor, keep: torch.Tensor,
+                        draw_levels: Callable[[int], torch.Tensor], batch_loss: Callable, keys: tuple[str, ...]) -> dict:
+        """The update loop of the recipes that train a matching loss on the policy's own clean
+        samples (DiffusionNFT, AWM). Per epoch a global shuffle, ``draw_levels(n_global)`` (noise
+        level indices into the rollout schedule, ``(n_global, K)``) and one noise seed per (sample,
+        level), drawn the same on every process; this process's samples go in micro-batches of
+        (sample batch, level), each noised on the forward process ``x_t = (1 - t) x0 + t eps`` and
+        scored by ``batch_loss(x0, eps, t, x_t, embeds, advantages) -> result`` (``per_sample`` and
+        the ``keys`` statistics); ``train.optimizer_steps_per_iteration`` optimizer steps."""
+        cfg, dev = self.cfg, self.device
         schedule = self.adapter.make_schedule(cfg.sampling.num_steps, self.resolution, self.resolution)
         latent = tuple(samples.x0.shape[1:])
         n_global, first_local, n_local = samples.n_global, int(samples.sample_ids[0]), len(samples.sample_ids)
-        keys = ("loss", "policy_loss", "kl", "positive_loss", "negative_loss", "r_mean", "old_deviation")
         stats: dict[str, list] = {k: [] for k in keys + ("grad_norm",)}
         steps_applied = 0
         self.adapter.denoiser.train()
         for _epoch in range(cfg.train.inner_epochs):
             # Global shuffle, noise levels and noise seeds (same RNG use on every process), then our share.
             perm = torch.randperm(n_global, generator=self.generator)
-            level_idx = self.trained_noise_levels(n_global, cfg.sampling.num_steps)  # (n_global, K)
+            level_idx = draw_levels(n_global)  # (n_global, K)
             noise_seeds = torch.randint(0, SEED_HIGH, tuple(level_idx.shape), generator=self.generator)
             mine = (perm >= first_local) & (perm < first_local + n_local) & keep[perm]
             order_global = perm[mine]
@@ -287,24 +313,12 @@ class DiffusionNFTTrainer(Trainer):
                     x0 = samples.x0[rows].to(dev).float()
                     t = schedule[level_idx[grows, j]].to(dev)
                     eps, _ = seed_noise(noise_seeds[grows, j], latent)
+                    eps = eps.to(dev)
                     tb = t.reshape(-1, *([1] * len(latent)))
-                    x_t = (1 - tb) * x0 + tb * eps.to(dev)  # fresh noise on the forward process
+                    x_t = (1 - tb) * x0 + tb * eps  # fresh noise on the forward process
                     emb = samples.embeds.select(rows.to(samples.embeds.cond[next(iter(samples.embeds.cond))].device))
-                    with torch.no_grad(), self.adapter_active(OLD_ADAPTER), self.autocast():
-                        v_old = self.adapter.predict(x_t, t, emb, g)
-                    with self.autocast():
-                        v_theta = self.adapter.predict(x_t, t, emb, g)
-                    if not self._checked:
-                        self._self_check(v_theta.detach(), v_old)
-                    v_ref = None
-                    if algo.kl_beta > 0:
-                        with torch.no_grad(), self.reference_model(), self.autocast():
-                            v_ref = self.adapter.predict(x_t, t, emb, g)
-                    res = nft_loss(v_theta, v_old, x_t, x0, t, advantages[grows].to(dev), v_ref=v_ref, nft_beta=algo.nft_beta,
-                                   adv_clip=algo.adv_clip, policy_loss_scale=algo.policy_loss_scale, kl_beta=algo.kl_beta,
-                                   weight_min=algo.weight_min)
-                    loss = res.per_sample.sum() / float(global_terms[gi])
-                    if not self.accumulate(loss):
+                    res = batch_loss(x0, eps, t, x_t, emb, advantages[grows].to(dev))
+                    if not self.accumulate(res.per_sample.sum() / float(global_terms[gi])):
                         bad = True
                         continue
                     for key in keys:
