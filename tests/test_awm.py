@@ -2,31 +2,18 @@
 
 import json
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from diffalign.algorithms.awm import awm_loss, matching_weight, scaled_advantages, stratified_levels
-from diffalign.cli import main
 from diffalign.config import load_config
 from diffalign.recipes import available, build_trainer
 from diffalign.recipes.awm import AWMTrainer
+from tests.helpers.tiny_run import FAST, ROOT, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny/awm.yaml"
-FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
 C4 = 1e-10**0.25  # c^p of ghuber, p = 0.25
-
-
-def run_cli(*args):
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        return main(list(args))
-    finally:
-        os.chdir(cwd)
 
 
 # ---- the loss, by hand ---------------------------------------------------------------------

@@ -3,8 +3,6 @@ then one Flow-GRPO iteration with every switch on (diagnostics in metrics.jsonl)
 
 import json
 import math
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,23 +15,12 @@ from diffalign.algorithms.grpo_guard import (
     inverse_dt_weights,
     reduce_sq_diff,
 )
-from diffalign.cli import main
 from diffalign.config import FlowGRPOConfig, load_config
 from diffalign.errors import ConfigError
 from diffalign.recipes._grpo_guard import StepGuard, make_guard
+from tests.helpers.tiny_run import FAST, ROOT, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny/flow_grpo_guard.yaml"
-FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
-
-
-def run_cli(*args):
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        return main(list(args))
-    finally:
-        os.chdir(cwd)
 
 
 # ---- the math, by hand ---------------------------------------------------------------------

@@ -1,31 +1,18 @@
 """Sol-RL: selection modes and rank measures on hand-computed numbers, seeded sampling, the two stages end to end."""
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from diffalign.algorithms.sol_rl import kendall_tau, select_indices, topk_hit_rate
-from diffalign.cli import main
 from diffalign.config_files import load_config
 from diffalign.recipes import build_trainer
 from diffalign.recipes.sol_rl import SolRLConfig, SolRLGRPOTrainer, SolRLTrainer
 from diffalign.sampling.seeded import sample_seeded, seed_noise
+from tests.helpers.tiny_run import FAST, ROOT, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny/sol_rl_sd3.yaml"
-FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
-
-
-def run_cli(*args):
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        return main(list(args))
-    finally:
-        os.chdir(cwd)
 
 
 # ---- selection, by hand --------------------------------------------------------------------

@@ -15,21 +15,28 @@ OVERRIDES = [
     "max_iterations=1", "log.progress_bar=false", "log.report=false", "eval.at_start=true",
     "sampling.eval_num_steps=2", "eval.samples_per_prompt=1", "train.ema.enabled=false", "optim.lr=1e-2",
 ]
+# what a test run does not need: progress bars, the report, the evaluation before training, long eval sampling
+FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
 _cache: dict[str, Path] = {}
+
+
+def run_cli(*args: str) -> int:
+    """``diffalign ARGS`` from the repository root (configs are given relative to it); the exit code."""
+    from diffalign.cli import main
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        return main(list(args))
+    finally:
+        os.chdir(cwd)
 
 
 def trained_run(tmp_path_factory) -> Path:
     """Path of the session's run directory, trained on first use under pytest's session temp dir."""
     if "run" not in _cache:
-        from diffalign.cli import main
-
         out = tmp_path_factory.mktemp("tiny-run") / "tiny_sd3_run"
-        cwd = os.getcwd()
-        os.chdir(ROOT)
-        try:
-            rc = main(["train", CONFIG, f"output_dir={out}", *OVERRIDES])
-        finally:
-            os.chdir(cwd)
+        rc = run_cli("train", CONFIG, f"output_dir={out}", *OVERRIDES)
         assert rc == 0, f"training the tiny run failed with exit code {rc}"
         _cache["run"] = out
     return _cache["run"]
