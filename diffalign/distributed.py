@@ -128,12 +128,43 @@ def gather_optimizer_state(zero_optimizer, is_main: bool) -> dict | None:
     """Every process's ZeRO partition, gathered on the main process (a collective)."""
     import torch.distributed as dist
 
-    local = to_full(zero_optimizer.state_dict())  # plain tensors: on the CPU
+    local = _plain_zero_state(to_full(zero_optimizer.state_dict()))  # plain tensors and data: on the CPU
     parts = [None] * dist.get_world_size() if is_main else None
     dist.gather_object(local, parts, dst=0)
     if not is_main:
         return None
     return {"zero_stage": int(local.get("zero_stage", 0)) or None, "partitions": parts}
+
+
+def _plain_zero_state(state: dict) -> dict:
+    """A ZeRO optimizer state with DeepSpeed's objects as data (checkpoints hold no pickled objects):
+    the loss scaler as its attributes, the parameter slice mappings as (numel, start) pairs."""
+    out = dict(state)
+    if "loss_scaler" in out and not isinstance(out["loss_scaler"], dict):
+        out["loss_scaler"] = {k: v for k, v in vars(out["loss_scaler"]).items() if isinstance(v, (bool, int, float, str, type(None)))}
+    if "param_slice_mappings" in out:
+        out["param_slice_mappings"] = [{name: [int(a.numel), int(a.start)] for name, a in group.items()}
+                                       for group in out["param_slice_mappings"]]
+    if "zero_stage" in out:
+        out["zero_stage"] = int(out["zero_stage"])
+    return out
+
+
+def _restore_zero_state(zero_optimizer, state: dict) -> dict:
+    """The inverse of :func:`_plain_zero_state`, with the optimizer's own objects as templates."""
+    import copy
+
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    out = dict(state)
+    if isinstance(out.get("loss_scaler"), dict):
+        scaler = copy.copy(zero_optimizer.loss_scaler)
+        scaler.__dict__.update(out["loss_scaler"])
+        out["loss_scaler"] = scaler
+    if "param_slice_mappings" in out:
+        out["param_slice_mappings"] = [{name: fragment_address(numel=n, start=s) for name, (n, s) in group.items()}
+                                       for group in out["param_slice_mappings"]]
+    return out
 
 
 def is_zero_state(state: Any) -> bool:
@@ -149,7 +180,8 @@ def load_optimizer_state(zero_optimizer, state: dict, where: str) -> None:
     if len(state["partitions"]) != world:
         raise RunDirError(f"checkpoint {where!r} was written by {len(state['partitions'])} ZeRO processes; resume it with "
                           f"the same number (this launch has {world})")
-    zero_optimizer.load_state_dict(state["partitions"], load_optimizer_states=True, load_from_fp32_weights=True)
+    partitions = [_restore_zero_state(zero_optimizer, part) for part in state["partitions"]]
+    zero_optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
 
 
 def enable_xformers(adapter) -> None:

@@ -4,7 +4,7 @@ Layout of a run directory::
 
     config.yaml        resolved config of the run
     metrics.jsonl      one JSON object per iteration (and eval records with "eval": true)
-    checkpoints/       iter-000010/ state.pt (full training state), written atomically
+    checkpoints/       iter-000010/ tensors.safetensors + state.json (full training state), written atomically
     final/             weights a diffusers pipeline loads (LoRA: load_lora_weights(final/))
     report.md          plots and before/after sample grids (when log.report is on)
 """
@@ -17,10 +17,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from diffalign import faults, state_files
 from diffalign.errors import RunDirError
 
 CHECKPOINT_PREFIX = "iter-"
@@ -35,6 +36,8 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        state_files.fsync_dir(path.parent)
+        faults.file_written(path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -81,47 +84,112 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def read_jsonl(path: Path, warn: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Records of a JSON-lines file. A torn last line (a crash while appending it) is dropped,
+    with a warning through ``warn``; a bad line before the last is an error."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            if i == len(lines) - 1:
+                if warn is not None:
+                    warn(f"warning: dropped the torn last line of {str(path)!r} ({len(line)} characters)")
+                break
+            raise RunDirError(f"{str(path)!r} line {i + 1} is not a JSON object; the file is damaged") from None
+        records.append(record)
+    return records
+
+
 class MetricsLog:
-    """Append-only ``metrics.jsonl``; on resume, records at or past the resumed iteration are dropped."""
+    """Append-only ``metrics.jsonl``. On resume it is cut back to the records that existed when the
+    checkpoint was written (what a run interrupted later added is dropped)."""
 
     def __init__(self, path: Path):
         self.path = path
 
-    def truncate_from(self, iteration: int) -> None:
+    def count(self) -> int:
+        """Records written so far (a checkpoint stores it)."""
+        return len(self.read())
+
+    def truncate(self, *, records: Optional[int] = None, iteration: Optional[int] = None,
+                 warn: Optional[Callable[[str], None]] = None) -> None:
+        """Keep the first ``records`` records, or those before ``iteration``; a torn last line goes."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("iteration", -1) < iteration]
-        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        kept = read_jsonl(self.path, warn)
+        kept = kept[:records] if records is not None else [r for r in kept if r.get("iteration", -1) < iteration]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def truncate_from(self, iteration: int) -> None:
+        self.truncate(iteration=iteration)
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({k: _json_safe(v) for k, v in record.items()}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        faults.file_written(self.path)
 
     def read(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_jsonl(self.path)
+
+
+def _checkpoint_iteration(path: Path) -> Optional[int]:
+    digits = path.name[len(CHECKPOINT_PREFIX):]
+    return int(digits) if path.name.startswith(CHECKPOINT_PREFIX) and digits.isdigit() else None
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Finished checkpoint folders, oldest first (``state.json``, written last, marks one finished;
+    an old-format ``state.pt`` folder is listed so that loading it can say why it is refused)."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and (p / "state.pt").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    found = [p for p in root.iterdir() if p.is_dir() and _checkpoint_iteration(p) is not None
+             and ((p / state_files.STATE_FILE).is_file() or (p / "state.pt").is_file())]
+    return sorted(found, key=_checkpoint_iteration)
+
+
+def clean_partial_writes(run_dir: Path) -> list[Path]:
+    """Remove what a process killed while writing left behind: ``checkpoints/.tmp-*`` folders and
+    the temporary files of atomic writes. Returns what was removed."""
+    removed = []
+    candidates = list((run_dir / "checkpoints").glob(".tmp-*")) if (run_dir / "checkpoints").is_dir() else []
+    candidates += [p for p in run_dir.glob(".*") if p.name.startswith((".metrics.jsonl.", ".config.yaml.", ".final-"))]
+    for p in candidates:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
 
 
 def save_checkpoint(run_dir: Path, iteration: int, state: dict, keep_last: int) -> Path:
-    """Write ``checkpoints/iter-N/state.pt`` via a temporary folder and an atomic rename."""
+    """Write ``checkpoints/iter-N/`` (safetensors + JSON) into a temporary folder, fsync it, rename
+    it into place and fsync the parent. On failure (a full disk) the temporary folder is removed and
+    earlier checkpoints are untouched; the error names the last good one."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{CHECKPOINT_PREFIX}{iteration:06d}"
+    previous = latest_checkpoint(run_dir)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
     try:
-        torch.save(state, tmp / "state.pt")
+        state_files.write_state(tmp, state)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        state_files.fsync_dir(root)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = f"the previous checkpoint {previous.name} is intact" if previous is not None else "no earlier checkpoint exists"
+        raise RunDirError(f"cannot write checkpoint {str(final)!r}: {exc.strerror or exc}; {kept}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -137,7 +205,5 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
 
 
 def load_checkpoint(path: Path) -> dict:
-    try:
-        return torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    except Exception as exc:  # corrupted or truncated file: say which one
-        raise RunDirError(f"checkpoint {str(path / 'state.pt')!r} cannot be read: {exc}") from None
+    """The state in ``path`` (safetensors + JSON; :class:`RunDirError` when unreadable)."""
+    return state_files.read_state(path)

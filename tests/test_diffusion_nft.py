@@ -234,7 +234,9 @@ def test_train_end_to_end(repo_root, tmp_path):
                 "grad_norm", "time/rollout", "time/update"):
         assert key in train[0], key
     assert train[0]["optimizer_steps"] == 1 and train[0]["old_decay"] == pytest.approx(0.001)
-    ckpt = torch.load(next((out / "checkpoints").iterdir()) / "state.pt", weights_only=False)
+    from diffalign import runs
+
+    ckpt = runs.load_checkpoint(runs.latest_checkpoint(out))
     assert ckpt["extra"]["optimizer_steps_done"] == 1 and ckpt["extra"]["old"]
     from diffalign.export import load_trained_adapter
 
