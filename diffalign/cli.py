@@ -11,17 +11,22 @@ import os
 import sys
 from pathlib import Path
 
-from diffalign.errors import DiffalignError
+from diffalign.errors import DiffalignError, Interrupted
 
-EXIT_USAGE = 2
+EXIT_USAGE = 2  # bad input, or a run that cannot go on (unwritable checkpoint, reward server down): "error: ..."
+EXIT_SIGINT = 130  # 128 + SIGINT: stopped by Ctrl-C (after a checkpoint, or at once on a second Ctrl-C)
+EXIT_SIGTERM = 143  # 128 + SIGTERM: stopped after finishing the iteration and writing a checkpoint
 
 
 def _cmd_train(args) -> int:
     from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer
+    from diffalign.recipes import build_trainer, check_judges_trained
 
     cfg = load_config(args.config, args.overrides)
-    trainer = build_trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+    check_judges_trained(cfg, args.config)
+    if args.allow_config_change and not args.resume:
+        raise DiffalignError("--allow-config-change only applies with --resume")
+    trainer = build_trainer(cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
     trainer.train()
     print(f"run directory: {cfg.output_dir}")
     report = Path(cfg.output_dir) / "report.md"
@@ -32,14 +37,15 @@ def _cmd_train(args) -> int:
 
 def _cmd_resume(args) -> int:
     from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer
+    from diffalign.recipes import build_trainer, check_judges_trained
 
     run_dir = Path(args.run_dir)
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
         raise DiffalignError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
     cfg = load_config(cfg_file, list(args.overrides) + [f"output_dir={run_dir}"])
-    build_trainer(cfg, resume=True).train()
+    check_judges_trained(cfg, str(cfg_file))
+    build_trainer(cfg, resume=True, allow_config_change=args.allow_config_change).train()
     print(f"run directory: {cfg.output_dir}")
     return 0
 
@@ -170,14 +176,16 @@ def _cmd_export(args) -> int:
     from diffalign import hub
     from diffalign.export import export_run
 
-    if args.private and not args.push_to_hub:
-        raise DiffalignError("--private only applies with --push-to-hub USER/REPO")
+    if (args.private or args.public) and not args.push_to_hub:
+        raise DiffalignError(f"--{'public' if args.public else 'private'} only applies with --push-to-hub USER/REPO")
+    if args.private and args.public:
+        raise DiffalignError("--private and --public contradict each other")
     token = hub.check_push_target(args.push_to_hub) if args.push_to_hub else None  # fail before the work
     out = export_run(args.run_dir, args.format, args.out, repo_id=args.push_to_hub, license=args.license,
                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(f"exported {args.format} weights to {out}")
     if args.push_to_hub:
-        print(f"pushed to {hub.push_folder(out, args.push_to_hub, token=token, private=args.private)}")
+        print(f"pushed to {hub.push_folder(out, args.push_to_hub, token=token, private=not args.public)}")
     return 0
 
 
@@ -237,11 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete a previous run in output_dir first")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: accept another model, algorithm, LoRA shape or prompt set (logged in the run directory)")
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("resume", help="continue a run directory: diffalign resume RUN_DIR [key=value ...]")
     p.add_argument("run_dir")
     p.add_argument("overrides", nargs="*", help="e.g. max_iterations=20")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="accept another model, algorithm, LoRA shape or prompt set (logged in the run directory)")
     p.set_defaults(fn=_cmd_resume)
 
     p = sub.add_parser("config", help="validate a config and print it resolved, with derived numbers")
@@ -277,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lora: pipe.load_lora_weights(DIR); merged: LoRA fused, DiffusionPipeline.from_pretrained(DIR)")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/export/FORMAT)")
     p.add_argument("--push-to-hub", metavar="USER/REPO", default=None, help="upload the folder (needs HF_TOKEN)")
-    p.add_argument("--private", action="store_true", help="create the Hub repo private")
+    p.add_argument("--private", action="store_true", help="create the Hub repo private (the default)")
+    p.add_argument("--public", action="store_true", help="create the Hub repo public (default: private)")
     p.add_argument("--license", default=None, help="model card license (default: apache-2.0 for diffalign's own models, else other)")
     p.set_defaults(fn=_cmd_export)
 
@@ -288,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also open a public gradio.live link")
+    p.add_argument("--auth", metavar="USER:PASS", default=None,
+                   help="require this login (use it with --host or --share; or set DIFFALIGN_DEMO_AUTH)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(fn=_cmd_demo)
 
@@ -342,9 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     except DiffalignError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Interrupted as exc:
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted; resume with: diffalign resume <output_dir>", file=sys.stderr)
-        return 130
+        return EXIT_SIGINT
 
 
 if __name__ == "__main__":

@@ -95,6 +95,12 @@ class RewardConfig:
     name: str = "shapes_eval"  # registered name or dotted path (see reward_models)
     kwargs: dict = field(default_factory=dict)  # passed to the reward factory
     nonfinite: Literal["error", "skip"] = "error"  # NaN/inf rewards: stop with a clear error, or drop those samples (counted)
+    # Reward calls that failed (after the reward's own retries, e.g. a remote server down) tolerated
+    # in a run, each scored again; one more stops the run with a checkpoint (counted: reward_failures).
+    max_failures: int = 3
+
+    def validate(self) -> None:
+        check(self.max_failures >= 0, "reward.max_failures", "must be >= 0")
 
 
 @dataclass

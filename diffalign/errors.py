@@ -28,3 +28,17 @@ class RunDirError(DiffalignError):
 
 class NonFiniteError(DiffalignError):
     """Too many non-finite rewards or losses were seen; the run stops instead of propagating them."""
+
+
+class Interrupted(Exception):
+    """Training stopped on SIGINT / SIGTERM after finishing its iteration and writing a checkpoint.
+    ``exit_code`` is 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int, iteration: int, run_dir: str, checkpoint: bool = True):
+        import signal
+
+        self.signum, self.iteration, self.run_dir = signum, iteration, run_dir
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        saved = f"checkpoint at iteration {iteration} written" if checkpoint else "no iteration finished, nothing to save"
+        super().__init__(f"stopped by {name}: {saved}; continue with: diffalign resume {run_dir}")

@@ -12,7 +12,9 @@ advantages -> update) using pure functions from :mod:`diffalign.algorithms` and 
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,6 +27,11 @@ from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
 from diffalign.config_files import dump_config
+from diffalign.errors import DiffalignError, Interrupted, RewardError
+
+
+class RewardFailures(RewardError):
+    """More reward calls failed than ``reward.max_failures`` allows."""
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.sampling import build_kernel
 from diffalign.training import checkpoints, evaluator, metrics
@@ -45,17 +52,20 @@ class Trainer:
     #: the update loop keeps every process's forwards in lockstep (``lockstep_counts``): FSDP may shard it
     supports_fsdp = False
 
-    def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, log: Callable[[str], None] | None = None):
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, allow_config_change: bool = False,
+                 log: Callable[[str], None] | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
         self.resume = resume
         self.overwrite = overwrite
+        self.allow_config_change = allow_config_change  # resume with another model / algorithm / LoRA shape / prompts
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stats: dict = {"nonfinite_rewards": 0, "nonfinite_losses": 0, "skipped_steps": 0}
         self.start_iteration = 0
         self.reward_pool: Optional[RewardPool] = None
         self.self_check_log_ratio: Optional[float] = None  # max |log ratio| of the on-policy self-check
-        self._saved_iteration: Optional[int] = None  # the iteration of the last checkpoint written
+        self._saved_iteration: Optional[int] = None  # the iteration of the last checkpoint written (or resumed from)
+        self._resumed_from_checkpoint = False  # set by checkpoints.load_latest
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -72,6 +82,8 @@ class Trainer:
         allow_precision(self.mixed_precision)
         self.accelerator = Accelerator(mixed_precision=self.mixed_precision, cpu=device.type == "cpu")
         runs.check_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)  # every process: same verdict
+        if self.resume:  # before the model loads: a changed setup is a one-line error
+            checkpoints.check_resume_config(self.run_dir, cfg, self.allow_config_change)
         self.device = self.accelerator.device
         set_seed(cfg.seed)  # same on every process: identical initial (LoRA) weights
         self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device, dtype=DTYPES[cfg.model.dtype])
@@ -95,7 +107,8 @@ class Trainer:
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
         self.metrics = runs.MetricsLog(self.run_dir / "metrics.jsonl")
         if self.resume:
-            self.start_iteration = self._saved_iteration = checkpoints.load_latest(self)
+            self.start_iteration = checkpoints.load_latest(self)
+            self._saved_iteration = self.start_iteration if self._resumed_from_checkpoint else None
         elif self.accelerator.is_main_process:
             runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
 
@@ -133,9 +146,29 @@ class Trainer:
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
         """Call the reward, validate the output (shape) and return (rewards (B,), info)."""
         metadata = metadata if metadata is not None else [{} for _ in prompts]
-        value = self.reward_fn(images, prompts, metadata)
+        value = self._call_reward(images, prompts, metadata)
         rewards = reward_models.check_reward_output(self.cfg.reward.name, value, len(prompts))
         return rewards, dict(getattr(self.reward_fn, "last_info", None) or {})
+
+    def _call_reward(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+        """The reward call, scored again after a failure (a server error, a malformed answer) until
+        ``reward.max_failures`` failures in the run; then :class:`RewardFailures`. Failures and the
+        reward's own retries (``transient_retries``, where it counts them) go into the metrics."""
+        while True:
+            before = getattr(self.reward_fn, "transient_retries", 0)
+            try:
+                return self.reward_fn(images, prompts, metadata)
+            except RewardError as exc:
+                failures = self.stats["reward_failures"] = self.stats.get("reward_failures", 0) + 1
+                if failures > self.cfg.reward.max_failures:
+                    raise RewardFailures(f"{exc} ({failures} failed reward calls, reward.max_failures="
+                                         f"{self.cfg.reward.max_failures})") from None
+                self._log(f"warning: {exc}; scoring again (failure {failures} of reward.max_failures="
+                          f"{self.cfg.reward.max_failures})")
+            finally:
+                retried = getattr(self.reward_fn, "transient_retries", 0) - before
+                if retried:
+                    self.stats["reward_retries"] = self.stats.get("reward_retries", 0) + retried
 
     def score_async(self, images: torch.Tensor, prompts: list[str]):
         """Submit scoring to a worker thread (overlaps the next batch's sampling)."""
@@ -167,11 +200,13 @@ class Trainer:
     def accumulate(self, loss: torch.Tensor) -> bool:
         """Backward one micro-batch's loss (normalised by the global number of terms of the step);
         False when it was non-finite and poisons the step (see :meth:`close_step`)."""
+        self._updated_in_iteration = True
         return self.backend.accumulate(loss)
 
     def close_step(self, poisoned: bool, stats: dict[str, list[float]] | None = None) -> tuple[float, bool]:
         """Apply (or, when any process saw a non-finite loss, drop and count) the accumulated
         step. Returns (grad_norm, applied); an applied step's norm is appended to ``stats["grad_norm"]``."""
+        self._updated_in_iteration = True
         norm, applied = self.backend.close_step(poisoned)
         if applied and stats is not None:
             stats["grad_norm"].append(norm)
@@ -225,6 +260,54 @@ class Trainer:
     def iteration(self, iteration: int) -> dict:
         raise NotImplementedError
 
+    def _guarded_iteration(self, it: int) -> dict:
+        """:meth:`iteration`; when the reward fails for good before any update of the iteration, the
+        random streams go back to where the iteration began and a checkpoint is written there, so
+        that ``diffalign resume`` repeats the iteration exactly once the reward works again."""
+        self._updated_in_iteration = False
+        boundary = checkpoints.stream_state(self)
+        try:
+            return self.iteration(it)
+        except RewardFailures as exc:
+            if self.reward_pool is not None:
+                self.reward_pool.shutdown()
+            if not self._updated_in_iteration and self._saved_iteration != it:
+                checkpoints.load_stream_state(self, boundary)
+                self.save_checkpoint(it)
+            kept = f"checkpoint at iteration {self._saved_iteration}" if self._saved_iteration is not None else "no checkpoint"
+            raise DiffalignError(f"stopped: {exc}; {kept}; fix the reward, then: diffalign resume {self.run_dir}") from None
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self):
+        """SIGINT / SIGTERM set a flag that the loop reads after each iteration (which then ends
+        with a checkpoint); a second Ctrl-C stops at once, as Python's default does."""
+        self._stop_signal: Optional[int] = None
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._stop_signal = signum
+            self._log(f"{signal.Signals(signum).name} received: finishing the iteration, then writing a checkpoint "
+                      f"(Ctrl-C again stops at once)")
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def _stop_requested(self) -> Optional[int]:
+        """The signal that asked this run to stop, agreed by every process (a collective)."""
+        signum = self._stop_signal or 0
+        if self.accelerator.num_processes > 1:
+            flag = torch.tensor([signum], device=self.device)
+            signum = int(self.accelerator.reduce(flag, reduction="max").item())
+        return signum or None
+
     def print_header(self) -> None:
         d = self.cfg.derived(self.accelerator.num_processes)
         n_train = sum(p.numel() for p in self.trainable)
@@ -243,17 +326,25 @@ class Trainer:
         if cfg.prompts.source == "shapes" and cfg.eval.samples_per_prompt != 1:
             self.log(f"  note: eval.samples_per_prompt={cfg.eval.samples_per_prompt} does not apply to ShapesWorld prompts; "
                      f"the evaluation samples eval.images_per_family={cfg.eval.images_per_family} images per family")
+        with self._stop_on_signals():
+            return self._train_loop(tqdm)
+
+    def _train_loop(self, tqdm) -> dict:
+        cfg = self.cfg
         last_eval: dict = {}
         try:
-            if self.start_iteration == 0 and cfg.eval.at_start:
+            if self._saved_iteration is None and self.start_iteration == 0 and cfg.eval.at_start:  # not after a checkpoint at 0
                 last_eval = self.evaluate(0, probe=True)
                 self.write_metrics(last_eval)
                 self.log("  eval before training: " + metrics.format_eval(last_eval))
+            signum = self._stop_requested()
+            if signum is not None:  # nothing trained yet: no checkpoint, a resume starts over
+                raise Interrupted(signum, self.start_iteration, str(self.run_dir), checkpoint=self._saved_iteration is not None)
             bar = tqdm(range(self.start_iteration, cfg.max_iterations), initial=self.start_iteration, total=cfg.max_iterations,
                        desc="iterations", disable=not (cfg.log.progress_bar and self.accelerator.is_main_process), file=sys.stderr)
             for it in bar:
                 t0 = time.perf_counter()
-                record = self.iteration(it)
+                record = self._guarded_iteration(it)
                 record = {"iteration": it, **record, "seconds": time.perf_counter() - t0, **{k: v for k, v in self.stats.items()}}
                 self.write_metrics(record)
                 bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}", loss=f"{record.get('loss', float('nan')):.4f}")
@@ -263,6 +354,12 @@ class Trainer:
                     self.write_metrics(last_eval)
                 if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
                     self.save_checkpoint(done)
+                signum = self._stop_requested()
+                if signum is not None:
+                    bar.close()
+                    if self._saved_iteration != done:
+                        self.save_checkpoint(done)
+                    raise Interrupted(signum, done, str(self.run_dir))
             bar.close()
             final_iteration = max(cfg.max_iterations, self.start_iteration)
             if self._saved_iteration != final_iteration:  # decided in memory: every process takes the same branch

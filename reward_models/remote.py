@@ -107,6 +107,7 @@ class RemoteReward:
         self.batch_size = batch_size
         self.headers = {"Content-Type": "application/json", "Accept": "application/json", **(headers or {})}
         self.last_info: dict[str, float] = {}
+        self.transient_retries = 0  # attempts repeated after a transient failure, since construction (metrics: reward_retries)
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
         check_images(images)
@@ -154,6 +155,7 @@ class RemoteReward:
             except (http.client.HTTPException, OSError) as exc:  # connection dropped mid-answer
                 reason = f"connection failed: {type(exc).__name__}: {exc}"
             if attempt < self.retries:
+                self.transient_retries += 1
                 wait = min(self.backoff * 2**attempt, self.max_backoff)
                 logger.warning("remote %s: %s; retry %d/%d in %.2gs", self.url, reason, attempt + 1, self.retries, wait)
                 time.sleep(wait)

@@ -180,3 +180,98 @@ def test_bad_arguments_and_inputs():
         reward(_images(2), ["a"], [{}, {}])
     with pytest.raises(RewardError, match="metadata cannot be sent as JSON"):
         reward(_images(1), ["a"], [{"obj": object()}])
+
+
+# ---- a training run against a failing server --------------------------------------------------
+def _train_args(out, url, *extra):
+    from tests.helpers.tiny_run import FAST
+
+    return ["train", "configs/tiny/flow_grpo_sd3.yaml", f"output_dir={out}", "max_iterations=2", *FAST,
+            "sampling.num_steps=3", "rollout.group_size=2", "reward.name=remote", f"reward.kwargs.url={url}",
+            "reward.kwargs.timeout=0.3", "reward.kwargs.retries=1", "reward.kwargs.backoff=0.001", *extra]
+
+
+def _good(payload, index):
+    return 200, {"scores": [float(_decode_png(image).mean()) / 255 for image in payload["images"]]}
+
+
+def _slow(payload, index):
+    time.sleep(0.6)  # longer than the client's timeout (0.3 s)
+    return _good(payload, index)
+
+
+SERVER_FAULTS = {
+    "timeout": _slow,
+    "http_500": lambda payload, index: (500, b"internal error"),
+    "garbage_json": lambda payload, index: (200, b"{scores: [1, 2"),
+    "wrong_count": lambda payload, index: (200, {"scores": [0.5]}),
+}
+
+
+@pytest.mark.parametrize("fault", list(SERVER_FAULTS))
+def test_failing_server_stops_training_with_a_checkpoint(fault, tmp_path, capsys):
+    from diffalign import runs
+    from tests.helpers.tiny_run import run_cli
+
+    out = tmp_path / "run"
+    with serve(SERVER_FAULTS[fault]) as (url, received):
+        code = run_cli(*_train_args(out, url, "reward.max_failures=1"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("error: stopped: remote " + url) and "reward.max_failures=1" in err[-1]
+    assert "Traceback" not in "\n".join(err)
+    retried = fault in ("timeout", "http_500")  # transient: the client tried twice per call
+    assert len(received) == (4 if retried else 2)  # 2 failed calls (max_failures=1 tolerates one)
+    state = runs.load_checkpoint(runs.latest_checkpoint(out))
+    assert state["iteration"] == 0 and state["stats"]["reward_failures"] == 2
+    assert state["stats"].get("reward_retries", 0) == (2 if retried else 0)
+
+
+def test_resume_after_the_server_is_back_equals_an_uninterrupted_run(tmp_path):
+    from safetensors.torch import load_file
+
+    from diffalign import runs
+    from tests.helpers.tiny_run import run_cli
+
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    with serve(_good) as (url, _):
+        assert run_cli(*_train_args(ref, url)) == 0
+    with serve(SERVER_FAULTS["garbage_json"]) as (url, _):
+        assert run_cli(*_train_args(out, url, "reward.max_failures=0")) == 2
+    with serve(_good) as (url, _):  # the server is back, on another port
+        assert run_cli("resume", str(out), f"reward.kwargs.url={url}") == 0
+    a, b = (load_file(str(d / "final" / "pytorch_lora_weights.safetensors")) for d in (ref, out))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    skip = ("seconds", "time/", "reward_failures")
+    ra, rb = ([{k: v for k, v in r.items() if not any(s in k for s in skip)} for r in runs.read_jsonl(d / "metrics.jsonl")]
+              for d in (ref, out))
+    assert ra == rb
+    assert [r["reward_failures"] for r in runs.read_jsonl(out / "metrics.jsonl") if not r.get("eval")] == [1, 1]
+
+
+def test_transient_error_is_retried_and_counted(tmp_path):
+    from diffalign import runs
+    from tests.helpers.tiny_run import run_cli
+
+    out = tmp_path / "run"
+    with serve(lambda payload, index: (503, b"busy") if index == 0 else _good(payload, index)) as (url, _):
+        assert run_cli(*_train_args(out, url, "max_iterations=1")) == 0
+    record = [r for r in runs.read_jsonl(out / "metrics.jsonl") if not r.get("eval")][0]
+    assert record["reward_retries"] == 1 and "reward_failures" not in record
+
+
+def test_nan_scores_are_counted_and_skipped(tmp_path):
+    from diffalign import runs
+    from tests.helpers.tiny_run import run_cli
+
+    out = tmp_path / "run"
+
+    def some_null(payload, index):
+        status, body = _good(payload, index)
+        body["scores"][0] = None  # the wire's NaN
+        return status, body
+
+    with serve(some_null) as (url, _):
+        assert run_cli(*_train_args(out, url, "max_iterations=1", "reward.nonfinite=skip")) == 0
+    record = [r for r in runs.read_jsonl(out / "metrics.jsonl") if not r.get("eval")][0]
+    assert record["nonfinite_rewards"] >= 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 
+from pathlib import Path
+
 from diffalign.errors import ConfigError
 
 _RECIPES: dict[str, str] = {
@@ -47,3 +49,19 @@ def trainer_class(name: str):
 
 def build_trainer(cfg, **kwargs):
     return trainer_class(cfg.algorithm.name)(cfg, **kwargs)
+
+
+def check_judges_trained(cfg, config_path: str) -> None:
+    """A recipe whose auxiliary judge is trained by another command (SPO's step-aware preference
+    model by ``train-spm``, Step-GRPO's DRM by ``train-reward``) and has not been trained yet: say
+    which command trains it, instead of failing later on a missing folder or a Hub lookup."""
+    algo = cfg.algorithm
+    spm_model = str((getattr(algo, "spm_kwargs", None) or {}).get("model", ""))
+    if getattr(algo, "spm", None) == "spm" and getattr(algo, "spm_train", None) and spm_model \
+            and not spm_model.startswith("tiny:") and not Path(spm_model).exists():
+        raise ConfigError(f"the step-aware preference model {spm_model!r} (algorithm.spm_kwargs.model) is not trained yet; "
+                          f"train it first with: diffalign train-spm {config_path}")
+    drm_path = str((cfg.reward.kwargs or {}).get("path", "")) if cfg.reward.name == "drm" else ""
+    if drm_path and getattr(algo, "drm_train", None) and not Path(drm_path).exists():
+        raise ConfigError(f"the diffusion reward model {drm_path!r} (reward.kwargs.path) is not trained yet; "
+                          f"train it first with: diffalign train-reward {config_path}")

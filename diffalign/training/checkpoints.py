@@ -36,7 +36,27 @@ def state_dict(trainer, next_iteration: int, optimizer_state: dict | None = None
         "stats": dict(trainer.stats),
         "extra": trainer.extra_state(),
         "config": to_dict(trainer.cfg),
+        "metrics_records": trainer.metrics.count(),  # what metrics.jsonl held: a resume cuts it back to this
     }
+
+
+def stream_state(trainer) -> dict:
+    """What an iteration changes before its first update: the random streams, the prompt
+    sampler, the recipe's state (copied)."""
+    import copy
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "generator": trainer.generator.get_state(), "prompts": copy.deepcopy(trainer.prompt_sampler.state_dict()),
+            "extra": copy.deepcopy(trainer.extra_state())}
+
+
+def load_stream_state(trainer, state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    trainer.generator.set_state(state["generator"])
+    trainer.prompt_sampler.load_state_dict(state["prompts"])
+    trainer.load_extra_state(state["extra"])
 
 
 def save_checkpoint(trainer, next_iteration: int) -> None:
@@ -49,12 +69,97 @@ def save_checkpoint(trainer, next_iteration: int) -> None:
         runs.save_checkpoint(trainer.run_dir, next_iteration, state, trainer.cfg.checkpoint.keep_last)
 
 
+# What a resumed run may not change silently: another model, algorithm, LoRA shape or prompt set
+# trains something else under the same run directory.
+GUARDED_KEYS = ("model.id", "model.family", "algorithm.name", "lora.enabled", "lora.rank", "lora.targets", "prompts")
+CHANGES_FILE = "config_changes.jsonl"  # changes accepted with --allow-config-change, one record per resume
+
+
+def _lookup(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def guarded_changes(run_dir: Path, cfg) -> dict[str, tuple]:
+    """``{key: (run's value, new value)}`` for the guarded keys that differ from the run's config.yaml."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise runs.RunDirError(f"cannot resume {str(run_dir)!r}: its config.yaml cannot be read ({type(exc).__name__})") from None
+    if not isinstance(saved, dict):
+        raise runs.RunDirError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping")
+    current = to_dict(cfg)
+    return {k: (_lookup(saved, k), _lookup(current, k)) for k in GUARDED_KEYS if _lookup(saved, k) != _lookup(current, k)}
+
+
+def check_resume_config(run_dir: Path, cfg, allow_change: bool) -> dict[str, tuple]:
+    """Refuse (one line) to resume with a guarded key changed unless ``allow_change``; returns the changes."""
+    changes = guarded_changes(run_dir, cfg)
+    if changes and not allow_change:
+        def short(v):
+            text = repr(v)
+            return text if len(text) <= 40 else text[:37] + "..."
+
+        what = "; ".join(f"{k} was {short(a)}, now {short(b)}" for k, (a, b) in changes.items())
+        raise runs.RunDirError(f"cannot resume {str(run_dir)!r} with a different setup ({what}); "
+                               f"pass --allow-config-change to resume anyway")
+    return changes
+
+
+def _log_changes(trainer, changes: dict[str, tuple], iteration: int) -> None:
+    import json
+    from datetime import datetime, timezone
+
+    record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "iteration": iteration,
+              "changes": {k: {"was": a, "now": b} for k, (a, b) in changes.items()}}
+    with open(trainer.run_dir / CHANGES_FILE, "a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+    trainer.log(f"warning: resuming with changed {', '.join(changes)} (--allow-config-change; logged in {CHANGES_FILE})")
+
+
+def _read_usable(trainer) -> tuple[Path, dict] | None:
+    """The newest checkpoint that reads back whole; an unreadable one (truncated, altered, half
+    written) is renamed ``corrupt-iter-N`` and the previous one is used, with a warning."""
+    dirs = runs.checkpoint_dirs(trainer.run_dir)
+    for i, ckpt in enumerate(reversed(dirs)):
+        if (ckpt / "state.pt").is_file() and not (ckpt / "state.json").is_file():
+            runs.load_checkpoint(ckpt)  # raises: old pickle format, refused
+        try:
+            return ckpt, runs.load_checkpoint(ckpt)
+        except runs.RunDirError as exc:
+            older = dirs[-i - 2] if i + 1 < len(dirs) else None
+            if trainer.accelerator.is_main_process:
+                ckpt.rename(ckpt.with_name(f"corrupt-{ckpt.name}"))
+            trainer.log(f"warning: {exc}; " + (f"falling back to {older.name}" if older is not None else "no earlier checkpoint")
+                        + f" (kept as corrupt-{ckpt.name})")
+    return None
+
+
 def load_latest(trainer) -> int:
-    """Restore the trainer from its run directory's latest checkpoint; returns its iteration."""
-    ckpt = runs.latest_checkpoint(trainer.run_dir)
-    if ckpt is None:
-        raise runs.RunDirError(f"cannot resume {str(trainer.run_dir)!r}: it has no checkpoint yet")
-    state = runs.load_checkpoint(ckpt)
+    """Restore the trainer from its run directory's latest readable checkpoint; returns its
+    iteration. With no checkpoint at all (a run stopped before its first one) the run starts over
+    from iteration 0, which is what the uninterrupted run did."""
+    changes = check_resume_config(trainer.run_dir, trainer.cfg, trainer.allow_config_change)
+    if trainer.accelerator.is_main_process:
+        for p in runs.clean_partial_writes(trainer.run_dir):
+            trainer.log(f"removed {p.name}, left by an interrupted write")
+    trainer.accelerator.wait_for_everyone()
+    found = _read_usable(trainer)
+    if found is None:
+        if trainer.accelerator.is_main_process:
+            trainer.metrics.truncate(records=0)
+            runs.atomic_write_text(trainer.run_dir / "config.yaml", dump_config(trainer.cfg))
+            if changes:
+                _log_changes(trainer, changes, 0)
+        trainer.log(f"no checkpoint in {trainer.run_dir}: starting over from iteration 0")
+        return 0
+    ckpt, state = found
+    trainer._resumed_from_checkpoint = True
     saved = state.get("config", {})
     current = to_dict(trainer.cfg)
     ignore = {"max_iterations", "output_dir", "log", "checkpoint", "eval"}
@@ -65,6 +170,11 @@ def load_latest(trainer) -> int:
     missing = set(names) - set(state["trainable"])
     if missing:
         raise runs.RunDirError(f"checkpoint {str(ckpt)!r} does not match the model: {len(missing)} trainable tensors missing")
+    for n, p in names.items():
+        full = tuple(p.shape)  # a DTensor's shape is the global one
+        if tuple(state["trainable"][n].shape) != full:
+            raise runs.RunDirError(f"checkpoint {str(ckpt)!r} does not match the model: {n} has shape "
+                                   f"{tuple(state['trainable'][n].shape)} there, {full} here")
     with torch.no_grad():
         for n, p in names.items():
             p.copy_(distributed.shard_like(state["trainable"][n].to(p.dtype), p))
@@ -86,8 +196,14 @@ def load_latest(trainer) -> int:
     trainer.load_extra_state(state.get("extra") or {})
     iteration = state["iteration"]
     if trainer.accelerator.is_main_process:
-        trainer.metrics.truncate_from(iteration)
+        records = state.get("metrics_records")
+        if records is not None:
+            trainer.metrics.truncate(records=records, warn=trainer.log)
+        else:
+            trainer.metrics.truncate(iteration=iteration, warn=trainer.log)
         runs.atomic_write_text(trainer.run_dir / "config.yaml", dump_config(trainer.cfg))
+        if changes:
+            _log_changes(trainer, changes, iteration)
     trainer.log(f"resumed from {ckpt} at iteration {iteration}")
     return iteration
 
