@@ -59,10 +59,30 @@ def _cmd_config(args) -> int:
     return 0
 
 
+def _check_sampling_args(args) -> None:
+    """Numbers of eval / sample that would only fail (or silently misbehave) after a model loads."""
+    import math
+
+    if args.steps < 1:
+        raise DiffalignError(f"--steps must be >= 1, got {args.steps}")
+    if not math.isfinite(args.guidance_scale):
+        raise DiffalignError(f"--guidance-scale must be a finite number, got {args.guidance_scale}")
+    if getattr(args, "batch_size", 1) < 1:
+        raise DiffalignError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.num_prompts < 0:
+        raise DiffalignError(f"--num-prompts must be >= 0 (0 = all), got {args.num_prompts}")
+    if (args.samples_per_prompt or 1) < 1:
+        raise DiffalignError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
+    noise = getattr(args, "noise_level", 0.0)
+    if not (math.isfinite(noise) and noise >= 0):
+        raise DiffalignError(f"--noise-level must be a finite number >= 0, got {noise}")
+
+
 def _cmd_eval(args) -> int:
     from diffalign.adapters import load_adapter
     from diffalign.export import load_trained_adapter
 
+    _check_sampling_args(args)
     prompts, what = _eval_prompt_set(args)
     models = [] if args.no_base else [("base", lambda: load_adapter(args.base))]
     for run in args.runs:
@@ -150,7 +170,10 @@ def _eval_prompt_set(args) -> tuple[list[str], str]:
     f = Path(args.prompts)
     if not f.is_file():
         raise DiffalignError(f"--prompts: {args.prompts!r} is neither {'/'.join(EVAL_PROMPT_SETS)} nor a prompt file")
-    prompts = [line.strip() for line in f.read_text().splitlines() if line.strip()]
+    try:
+        prompts = [line.strip() for line in f.read_bytes().decode("utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError:
+        raise DiffalignError(f"--prompts: {args.prompts!r} is not a text (UTF-8) file") from None
     if not prompts:
         raise DiffalignError(f"--prompts: prompt file {args.prompts!r} is empty")
     return prompts, f"prompts of {f.name}"
@@ -225,8 +248,10 @@ def _cmd_train_reward(args) -> int:
 
 
 def _cmd_sample(args) -> int:
-    from diffalign.drm.sampling import run_sample
+    from diffalign.drm.sampling import check_sample_out, run_sample
 
+    _check_sampling_args(args)
+    check_sample_out(Path(args.out))
     prompts = list(args.prompt) if args.prompt else _eval_prompts(args)
     prompts = [p for p in prompts for _ in range(args.samples_per_prompt)]
     run_sample(model=args.model, prompts=prompts, out_dir=args.out, steps=args.steps, guidance_scale=args.guidance_scale,

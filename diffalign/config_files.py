@@ -8,6 +8,7 @@ that name the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -69,14 +70,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return int(value)
         raise ConfigError(f"config key '{key}' must be an integer; got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads "1e-4" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads "1e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"config key '{key}' must be a number; got {value!r}")
+        if number is None:
+            raise ConfigError(f"config key '{key}' must be a number; got {value!r}")
+        if not math.isfinite(number):  # nan / inf would pass every range check below and poison the run
+            raise ConfigError(f"config key '{key}' must be a finite number; got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -158,16 +164,23 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def read_yaml(path: str | os.PathLike) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a directory")
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not a text (UTF-8) file") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}: {problem}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc.strerror or exc}") from None
     if data is None:
-        data = {}
+        raise ConfigError(f"config file {str(p)!r} is empty")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
     return data

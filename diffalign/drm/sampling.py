@@ -135,6 +135,21 @@ def load_model(model: str, device: str = "cpu") -> ModelAdapter:
     return load_adapter(model, device=device)
 
 
+SAMPLE_FILES = ("grid.png", "samples.json")
+
+
+def check_sample_out(out: Path) -> None:
+    """``--out`` may be new, empty or an earlier sample folder; never a file, a run directory or a
+    folder holding anything else (its files would be mixed with or replaced by the samples)."""
+    if out.is_symlink() or out.is_file():
+        raise DiffalignError(f"--out {str(out)!r} is a file or a link; expected a folder")
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in SAMPLE_FILES)
+        if foreign:
+            raise DiffalignError(f"--out {str(out)!r} holds other files ({', '.join(foreign[:3])}"
+                                 f"{', ...' if len(foreign) > 3 else ''}); choose a new folder")
+
+
 def run_sample(
     *,
     model: str,
