@@ -17,6 +17,7 @@ It binds 127.0.0.1 unless ``--host`` says otherwise; a public link needs ``--sha
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,14 +226,34 @@ def app_from_run(aligned_run: str | Path | None = None, base: str | None = None,
 
 def run_from_args(args) -> int:
     """``diffalign demo``: build from the parsed arguments and serve until interrupted."""
+    auth = parse_auth(getattr(args, "auth", None) or os.environ.get("DIFFALIGN_DEMO_AUTH"))
+    if not 1 <= args.port <= 65535:
+        raise DiffalignError(f"--port must be in 1..65535, got {args.port}")
     try:
         import gradio  # noqa: F401
     except ImportError:
         raise DiffalignError("the demo needs gradio: pip install 'diffalign[demo]'") from None
+    exposed = args.share or args.host not in LOCAL_HOSTS
+    if exposed and auth is None:
+        print(f"warning: the demo is reachable from other machines ({'a public gradio.live link' if args.share else args.host}) "
+              f"without a login; add --auth USER:PASS", file=sys.stderr)
     reward_names = [r.strip() for r in args.rewards.split(",") if r.strip()] if args.rewards else None
     app = app_from_run(args.aligned, args.base, reward_names, device=args.device)
-    app.queue().launch(server_name=args.host, server_port=args.port, share=args.share)
+    app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, **({"auth": auth} if auth else {}))
     return 0
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_auth(text):
+    """``USER:PASS`` -> (user, password); None when not given."""
+    if not text:
+        return None
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise DiffalignError("--auth must look like USER:PASS (both non-empty)")
+    return user, password
 
 
 if __name__ == "__main__":

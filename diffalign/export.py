@@ -123,6 +123,25 @@ def is_export_dir(path: Path) -> bool:
         return False
 
 
+def portable(value):
+    """``value`` with absolute local paths reduced to their last part (exported files name no
+    folder of this machine); dicts and lists are walked."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    if isinstance(value, str) and (os.path.isabs(value) or value.startswith("~")):
+        return Path(value).name
+    return value
+
+
+def _regular_file(path: Path) -> Path:
+    """``path`` when it is a plain file; a symbolic link is refused (it may point anywhere)."""
+    if path.is_symlink():
+        raise RunDirError(f"{str(path)!r} is a symbolic link; refusing to export it")
+    return path
+
+
 def _check_out_dir(out: Path, run_dir: Path) -> None:
     """Replace only an earlier export or an empty folder; never a run, its ``final/`` or user files."""
     out_r, run_r = out.resolve(), run_dir.resolve()
@@ -181,7 +200,7 @@ def export_run(
             final place and renamed into it; an existing folder is replaced only when it is an
             earlier export or empty.
         repo_id: the Hub repo the folder is meant for; the card's loading snippet names it
-            (otherwise the local folder).
+            (otherwise ``"."``, the folder itself: exported files name no local path).
         license: the card's license (default: ``apache-2.0`` for diffalign's own models, else
             ``other``: a model derived from a base model inherits its license).
     Also written: ``README.md`` (model card, see :func:`diffalign.hub.model_card`),
@@ -200,14 +219,15 @@ def export_run(
         raise RunDirError(f"run {str(run_dir)!r} fine-tuned all weights (no LoRA); export it with --format merged")
     out = Path(out) if out is not None else run_dir / "export" / fmt
     _check_out_dir(out, run_dir)
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    config = portable(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
+    meta = portable(meta)
     evals = [r for r in runs.MetricsLog(run_dir / "metrics.jsonl").read() if r.get("eval")]
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         if fmt == "lora":
-            shutil.copy2(run_dir / "final" / LORA_WEIGHTS_FILE, tmp / LORA_WEIGHTS_FILE)
+            shutil.copy2(_regular_file(run_dir / "final" / LORA_WEIGHTS_FILE), tmp / LORA_WEIGHTS_FILE)
             pipeline_class = None
         else:
             log(f"fusing the trained weights into {meta['base_model']} ...")
@@ -220,17 +240,17 @@ def export_run(
         if grids:
             (tmp / "images").mkdir()
             for name, src in grids.items():
-                shutil.copy2(src, tmp / "images" / f"{name}.png")
+                shutil.copy2(_regular_file(src), tmp / "images" / f"{name}.png")
                 images[name] = f"images/{name}.png"
             if len(grids) == 2:
                 _side_by_side(tmp / "images" / "before.png", tmp / "images" / "after.png", tmp / "images" / "before_after.png")
                 images["before_after"] = "images/before_after.png"
-        card = hub.model_card(meta, config, evals, fmt=fmt, where=repo_id or str(out), images=images,
+        card = hub.model_card(meta, config, evals, fmt=fmt, where=repo_id or ".", images=images,
                               license=license, pipeline_class=pipeline_class, name=f"{run_dir.name}-{fmt}")
         card.save(tmp / "README.md")
         info = {k: v for k, v in meta.items() if k != "format"}
         info["format"] = fmt
-        info["export"] = {"diffalign_version": __version__, "run_dir": str(run_dir.resolve()), "repo_id": repo_id,
+        info["export"] = {"diffalign_version": __version__, "run": run_dir.resolve().name, "repo_id": repo_id,
                           "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         (tmp / METADATA_FILE).write_text(json.dumps(info, indent=2, default=str))
         _check_out_dir(out, run_dir)  # again: something may have appeared there meanwhile

@@ -170,11 +170,21 @@ def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: 
 
 # ---- upload -------------------------------------------------------------------------------------
 def upload_operations(folder: str | os.PathLike) -> list:
-    """One ``CommitOperationAdd`` per file of ``folder`` (sorted, hidden files skipped)."""
+    """One ``CommitOperationAdd`` per file of ``folder`` (sorted, hidden files skipped). A symbolic
+    link anywhere in the folder is refused: it could point at any file of this machine."""
     from huggingface_hub import CommitOperationAdd
 
     folder = Path(folder)
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    if folder.is_symlink():
+        raise DiffalignError(f"refusing to upload {str(folder)!r}: it is a symbolic link")
+    files = []
+    for root, dirs, names in os.walk(folder, followlinks=False):
+        for name in dirs + names:
+            p = Path(root) / name
+            if p.is_symlink():
+                raise DiffalignError(f"refusing to upload {str(folder)!r}: {p.relative_to(folder).as_posix()} is a symbolic link")
+        files += [Path(root) / n for n in names]
+    files = sorted(p for p in files if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
     return [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p)) for p in files]
 
 
@@ -208,10 +218,10 @@ def check_push_target(repo_id: str) -> str:
     return token
 
 
-def push_folder(folder: str | os.PathLike, repo_id: str, *, token: str, private: bool = False,
+def push_folder(folder: str | os.PathLike, repo_id: str, *, token: str, private: bool = True,
                 commit_message: str = "Upload with diffalign export") -> str:
-    """Create ``repo_id`` if needed (``private`` only applies to a new repo) and commit every
-    file of ``folder`` in one commit. Returns the repo URL."""
+    """Create ``repo_id`` if needed (private unless ``private=False``; it only applies to a new
+    repo) and commit every file of ``folder`` in one commit. Returns the repo URL."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)

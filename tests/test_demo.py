@@ -176,3 +176,13 @@ def test_headless_chromium_generates_and_screenshots(served_app, tmp_path):
     ARTIFACTS.mkdir(exist_ok=True)
     shutil.copy(shot, ARTIFACTS / "demo_screenshot.png")
     print(f"screenshot: {ARTIFACTS / 'demo_screenshot.png'}")
+
+
+def test_demo_auth_is_passed_and_exposure_warned(run, monkeypatch, capsys):
+    gr = pytest.importorskip("gradio", reason=NEEDS_GRADIO)
+    seen = {}
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kw: seen.update(kw))
+    assert main(["demo", "--aligned", str(run), "--host", "0.0.0.0", "--rewards", "brightness"]) == 0
+    assert "auth" not in seen and "--auth USER:PASS" in capsys.readouterr().err  # exposed without a login: warned
+    assert main(["demo", "--aligned", str(run), "--host", "0.0.0.0", "--auth", "ann:s3cret", "--rewards", "brightness"]) == 0
+    assert seen["server_name"] == "0.0.0.0" and seen["auth"] == ("ann", "s3cret")

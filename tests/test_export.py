@@ -78,7 +78,7 @@ def test_model_card_parses_and_says_what_was_trained(lora_dir):
     assert data["pipeline_tag"] == "text-to-image"
     assert "base_model" not in data  # tiny:sd3 has no Hub page; a hub id would be linked
     text = card.text
-    assert f'pipe.load_lora_weights("{lora_dir}")' in text
+    assert 'pipe.load_lora_weights(".")' in text
     assert "tiny:sd3" in text and "jpeg_compressibility" in text
     assert "| reward_mean |" in text and "before (base)" in text  # eval before / after from metrics.jsonl
     assert "`optim.lr` | `0.01`" in text and "`algorithm.beta`" in text and "`lora.rank` | `8`" in text
@@ -89,7 +89,28 @@ def test_model_card_parses_and_says_what_was_trained(lora_dir):
     assert meta["format"] == "lora" and meta["algorithm"] == "flow_grpo" and "export" in meta
 
 
-def test_loading_snippet_runs(lora_dir):
+def test_exported_files_name_no_local_path(run, lora_dir, merged_dir):
+    for folder in (lora_dir, merged_dir):
+        for f in folder.rglob("*"):
+            if f.is_file() and f.suffix in (".md", ".json"):
+                text = f.read_text()
+                assert str(run.resolve().parent) not in text and str(folder) not in text, f
+
+
+def test_symlinks_are_refused_in_uploads(lora_dir, tmp_path):
+    import shutil
+
+    from diffalign.errors import DiffalignError
+
+    folder = tmp_path / "upload"
+    shutil.copytree(lora_dir, folder)
+    (folder / "secret").symlink_to("/etc/hostname")
+    with pytest.raises(DiffalignError, match="symbolic link"):
+        upload_operations(folder)
+
+
+def test_loading_snippet_runs(lora_dir, monkeypatch):
+    monkeypatch.chdir(lora_dir)  # a local export's snippet loads "." (the folder names no local path)
     text = (lora_dir / "README.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0].replace("num_inference_steps=2", "num_inference_steps=1")
     scope = {}
