@@ -34,14 +34,16 @@ def guided_forward(
     embeds: PromptEmbeds,
     guidance_scale: float,
     detach_uncond: bool = False,
+    combine: Optional[Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Classifier-free guidance in one batched forward.
 
     ``forward(x, t, cond_kwargs)`` runs the denoiser on a batch. With ``guidance_scale > 1``
     and ``embeds.uncond`` set, the batch is ``[uncond; cond]`` (2B rows) and the result is
-    ``uncond + g * (cond - uncond)`` in fp32; otherwise only the cond rows are run. With
-    ``detach_uncond`` and gradients enabled, the uncond rows run in a separate forward without
-    gradient (the backward then covers B rows, not 2B).
+    ``uncond + g * (cond - uncond)`` in fp32 (or ``combine(uncond, cond, g)`` when a family's
+    pipeline guides differently); otherwise only the cond rows are run. With ``detach_uncond``
+    and gradients enabled, the uncond rows run in a separate forward without gradient (the
+    backward then covers B rows, not 2B).
     """
     t = batch_t(t, x.shape[0], x.device)
     if guidance_scale > 1.0 and embeds.uncond is not None:
@@ -53,6 +55,8 @@ def guided_forward(
             kwargs = {k: torch.cat([embeds.uncond[k], embeds.cond[k]]) for k in embeds.cond}
             out = forward(torch.cat([x, x]), torch.cat([t, t]), kwargs).float()
             uncond, cond = out.chunk(2)
+        if combine is not None:
+            return combine(uncond, cond, guidance_scale)
         return uncond + guidance_scale * (cond - uncond)
     return forward(x, t, embeds.cond).float()
 
@@ -97,3 +101,22 @@ def module_dtype(module: torch.nn.Module) -> torch.dtype:
     real model); this is O(1).
     """
     return next(module.parameters()).dtype
+
+
+def is_flow_scheduler(scheduler) -> bool:
+    """A rectified-flow scheduler: ``FlowMatchEulerDiscreteScheduler``, or a multistep solver
+    (DPM-Solver, UniPC) configured with ``use_flow_sigmas`` and ``prediction_type="flow_prediction"``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return True
+    config = scheduler.config
+    return bool(config.get("use_flow_sigmas", False)) and config.get("prediction_type") == "flow_prediction"
+
+
+def gives_integer_timesteps(scheduler) -> bool:
+    """Whether ``scheduler`` hands the denoiser integer timesteps (DPM-Solver, UniPC: ``int64``
+    ``floor(1000 sigma)``) rather than float ones (FlowMatchEuler: ``1000 sigma``)."""
+    probe = type(scheduler).from_config(scheduler.config)  # fresh: no shared step state
+    probe.set_timesteps(2, device="cpu")
+    return not probe.timesteps.is_floating_point()

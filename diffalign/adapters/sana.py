@@ -30,7 +30,9 @@ from typing import Sequence, Union
 import torch
 
 from ..errors import ModelLoadError
-from ._util import batch_t, bcast, guided_forward, pipeline_kwargs, vae_decode, module_dtype
+from ._util import (
+    batch_t, bcast, gives_integer_timesteps, guided_forward, is_flow_scheduler, module_dtype, pipeline_kwargs, vae_decode,
+)
 from .base import ModelAdapter, PromptEmbeds
 
 # Every attention projection: linear self-attention (attn1) and cross-attention (attn2) of each
@@ -46,15 +48,6 @@ def pipeline_default_instruction() -> list[str]:
     from diffusers import SanaPipeline
 
     return list(inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default)
-
-
-def _is_flow_scheduler(scheduler) -> bool:
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        return True
-    config = scheduler.config
-    return bool(config.get("use_flow_sigmas", False)) and config.get("prediction_type") == "flow_prediction"
 
 
 class SanaAdapter(ModelAdapter):
@@ -84,7 +77,7 @@ class SanaAdapter(ModelAdapter):
     ):
         super().__init__(pipeline, device=device, dtype=dtype)
         config = pipeline.scheduler.config
-        if not _is_flow_scheduler(pipeline.scheduler):
+        if not is_flow_scheduler(pipeline.scheduler):
             raise ModelLoadError(
                 f"sana: scheduler {type(pipeline.scheduler).__name__!r} is not a flow "
                 "scheduler (expected DPMSolverMultistepScheduler with use_flow_sigmas and prediction_type "
@@ -100,9 +93,7 @@ class SanaAdapter(ModelAdapter):
         self.default_resolution = transformer.config.sample_size * self.vae_scale_factor
         self.num_train_timesteps = config.num_train_timesteps
         # Does the scheduler hand the transformer integer timesteps (DPM-Solver) or float ones?
-        probe = self._fresh_scheduler()
-        probe.set_timesteps(2, device="cpu")
-        self.integer_timesteps = not probe.timesteps.is_floating_point()
+        self.integer_timesteps = gives_integer_timesteps(pipeline.scheduler)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
