@@ -147,3 +147,60 @@ def tiny_tiny_autoencoder(latent_channels: int, *, scaling_factor: float = 1.530
     )
     vae.register_to_config(shift_factor=shift_factor)  # the SD3 pipeline reads it in decode
     return vae
+
+
+# Qwen-Image's system prompt (``QwenImagePipeline.prompt_template_encode``) in whole words: with these
+# in the vocabulary the template's prefix is 34 tokens, as with the real Qwen2 tokenizer, so the
+# pipeline's ``prompt_template_encode_start_idx = 34`` drops exactly the prefix.
+QWEN_TEMPLATE_WORDS = (
+    "system user assistant Describe image by detailing color shape size texture quantity text spatial "
+    "relationships objects background"
+).split()
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+# Qwen3's chat template for one user message, reduced to what Flux2KleinPipeline asks of it
+# (add_generation_prompt=True, enable_thinking=False: an empty think block).
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def tiny_qwen2_tokenizer(max_length: int = 64):
+    """A byte-level BPE ``Qwen2Tokenizer`` (the class of Qwen2.5-VL's and Qwen3's tokenizers) built
+    in memory: the 256 byte characters, whole words of :data:`TINY_WORDS` and
+    :data:`QWEN_TEMPLATE_WORDS` with and without the leading-space marker ``Ġ``, Qwen's special
+    tokens (``<|endoftext|>`` pads), and Qwen3's chat template."""
+    from transformers import Qwen2Tokenizer
+
+    alphabet = _bytes_to_unicode()
+    space = alphabet[ord(" ")]  # "Ġ"
+    tokens = list(alphabet.values())
+    merges: list[tuple[str, str]] = []
+    words = list(dict.fromkeys(TINY_WORDS + QWEN_TEMPLATE_WORDS))
+    # Merge ranks in three blocks, each word a chain (prefix, next character). "Ġword" chains first:
+    # their left parts all start with Ġ, so they never compete with one another and always beat the
+    # bare-character pairs inside the word. Then bare words, the template's before TINY_WORDS, so that
+    # "system", "Describe", "user" and "assistant" stay whole (the 34-token prefix).
+    chains = [[space, *w] for w in words] + [list(w) for w in QWEN_TEMPLATE_WORDS] + [list(w) for w in TINY_WORDS]
+    for pieces in chains:
+        left = pieces[0]
+        for right in pieces[1:]:
+            if (left, right) not in merges:
+                merges.append((left, right))
+            left += right
+            if left not in tokens:
+                tokens.append(left)
+    vocab = {tok: i for i, tok in enumerate(tokens + list(QWEN_SPECIAL_TOKENS))}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+# The per-channel latent statistics of the Qwen-Image / Wan2.1 VAE (AutoencoderKLWan's defaults);
+# tiny VAEs take the first ``z_dim`` values so that decode exercises the same normalisation.
+QWEN_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                     0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+QWEN_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
