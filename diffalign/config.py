@@ -30,6 +30,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of frozen parts and denoiser
     resolution: int = 0  # image side in pixels; 0 = the adapter's default
     revision: Optional[str] = None  # hub revision (branch, tag or commit)
+    options: dict = field(default_factory=dict)  # adapter options, e.g. {num_frames: 33} for wan (docs/models.md)
 
     def validate(self) -> None:
         check(self.resolution >= 0 and self.resolution % 8 == 0, "model.resolution", "must be 0 or a positive multiple of 8")

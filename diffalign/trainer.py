@@ -74,7 +74,8 @@ class Trainer:
         runs.check_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)  # every process: same verdict
         self.device = self.accelerator.device
         set_seed(cfg.seed)  # same on every process: identical initial (LoRA) weights
-        self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device, dtype=DTYPES[cfg.model.dtype])
+        self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device, dtype=DTYPES[cfg.model.dtype],
+                                                  **cfg.model.options)
         self.resolution = cfg.model.resolution or self.adapter.default_resolution
         if self.device.type != "cpu" and cfg.reward.name:
             # rebuild on the accelerator when it has one (rewards take a device argument)
@@ -131,9 +132,10 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
-        """Call the reward, validate the output (shape) and return (rewards (B,), info)."""
+        """Call the reward, validate the output (shape) and return (rewards (B,), info). Videos
+        ``(B, F, 3, H, W)`` get the mean of the per-frame rewards (:func:`reward_models.call_reward`)."""
         metadata = metadata if metadata is not None else [{} for _ in prompts]
-        value = self.reward_fn(images, prompts, metadata)
+        value = reward_models.call_reward(self.reward_fn, images, prompts, metadata)
         rewards = reward_models.check_reward_output(self.cfg.reward.name, value, len(prompts))
         return rewards, dict(getattr(self.reward_fn, "last_info", None) or {})
 

@@ -77,7 +77,7 @@ class DenseTrajectory:
     steps such as CPS's last one, whose log-prob is 0 and which must not be trained).
     ``x0_estimates``: (B, T+1, *latent) fp32 — ``[:, i]`` the (refined) Tweedie estimate at state
     i for i < T; ``[:, T]`` the real final sample.
-    ``images``: (B, 3, H, W) fp32 in [0, 1] — decoded final samples.
+    ``images``: (B, 3, H, W) fp32 in [0, 1] — decoded final samples; (B, F, 3, H, W) for video models.
     ``extra_forwards``: denoiser calls spent on refinement (``(K - 1) T`` for K >= 2, else 0).
     """
 

@@ -122,7 +122,7 @@ class Trajectory:
     ``log_probs``: (B, T) fp32 — log p(x_{i+1} | x_i) under the sampling policy; 0 on ODE steps.
     ``timesteps``: (T+1,) — the schedule ``t_0 > ... > t_T``.
     ``sde_mask``: (T,) bool — stochastic (trainable) steps.
-    ``images``: (B, 3, H, W) fp32 in [0, 1] — decoded final samples.
+    ``images``: (B, 3, H, W) fp32 in [0, 1] — decoded final samples; (B, F, 3, H, W) for video models.
     """
 
     latents: torch.Tensor

@@ -3,7 +3,7 @@
 The eval prompts are sampled with fixed seeds (ODE) and scored by the run's reward; ShapesWorld
 runs also keep per-image ShapesEval records (``eval_records/iter-N.json``: intervals, paired
 differences, see :mod:`diffalign.evaluation`) and, before and after training, the generalisation
-probe. A grid of the first images goes to ``samples/``.
+probe. A grid of the first images goes to ``samples/`` (for videos: one frame strip per video).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from diffalign import runs
-from diffalign.images import image_grid, save_png
+from diffalign.images import sample_grid, save_png
 from diffalign.sampling import sample_images
 
 
@@ -101,7 +101,9 @@ def _run(trainer, iteration: int, *, save_grid: bool, probe: bool) -> dict:
             runs.atomic_write_text(path, json.dumps(saved))
     record["eval/seconds"] = time.perf_counter() - t0
     if save_grid and main:
-        n = min(len(images), 64)
-        save_png(image_grid(images[:n], nrow=8), trainer.run_dir / "samples" / f"eval-iter-{iteration:06d}.png", scale=2)
+        if images.ndim == 5:
+            record["eval/frames"] = images.shape[1]  # tells the report the grid holds frame strips
+        n = min(len(images), 8 if images.ndim == 5 else 64)  # videos: one frame strip per row
+        save_png(sample_grid(images[:n]), trainer.run_dir / "samples" / f"eval-iter-{iteration:06d}.png", scale=2)
         runs.atomic_write_text(trainer.run_dir / "samples" / "eval-prompts.txt", "".join(p + "\n" for p in prompts[:n]))
     return record
