@@ -6,7 +6,7 @@
 
 in ``[-1, 0]`` for pixels in ``[0, 1]``; 0 for a still video. It rewards steady videos (no
 flicker); alone it also rewards no motion at all, so it is meant as an example and as a term
-next to a per-frame quality reward (``combine``), not as a training goal by itself.
+next to a per-frame quality reward (the ``weighted`` reward), not as a training goal by itself.
 """
 
 from __future__ import annotations

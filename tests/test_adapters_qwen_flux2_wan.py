@@ -248,6 +248,11 @@ def test_temporal_consistency_reward():
     torch.testing.assert_close(out, torch.tensor([0.0, -1.0, -0.25]))
     with pytest.raises(RewardError, match="videos"):
         r(still[:, 0], ["a"], [{}])
+    # Next to a per-frame reward in a weighted sum: each term follows the frame rule.
+    both = reward_models.build("weighted", components=[{"name": "brightness"}, {"name": "temporal_consistency", "weight": 0.5}])
+    videos = torch.cat([still, flicker])
+    out = reward_models.call_reward(both, videos, ["a"] * 2, [{}] * 2)
+    torch.testing.assert_close(out, torch.tensor([0.3, 0.5]) + 0.5 * torch.tensor([0.0, -1.0]))
 
 
 # ---- one training iteration through the CLI ----------------------------------------------
