@@ -93,9 +93,10 @@ def load_trained_adapter(run_or_final: str | os.PathLike, *, device="cpu", dtype
     if not meta_file.is_file():
         raise RunDirError(f"{str(path)!r} has no final weights (no final/diffalign.json); has the run finished?")
     meta = json.loads(meta_file.read_text())
+    options = meta.get("model_options") or {}  # adapter options of the run (model.options), e.g. wan num_frames
     if meta["format"] == "full":
-        return load_adapter(str(final), family=meta.get("family", "auto"), device=device, dtype=dtype)
-    adapter = load_adapter(meta["base_model"], family=meta.get("family", "auto"), device=device, dtype=dtype)
+        return load_adapter(str(final), family=meta.get("family", "auto"), device=device, dtype=dtype, **options)
+    adapter = load_adapter(meta["base_model"], family=meta.get("family", "auto"), device=device, dtype=dtype, **options)
     try:
         adapter.pipeline.load_lora_weights(str(final))
     except Exception as exc:

@@ -276,3 +276,6 @@ def test_train_one_iteration(tmp_path, family):
         grid = Image.open(out / "samples" / "eval-iter-000001.png")
         assert grid.size == (2 * (5 * (PX + 1) + 1), 2 * (2 * (PX + 1) + 1))  # 2 videos x 5 frames, 2x scale
         assert "one row per video" in (out / "report.md").read_text()
+        from diffalign.export import load_trained_adapter
+
+        assert load_trained_adapter(out).num_frames == 5  # model.options travel with the weights
