@@ -213,6 +213,30 @@ def test_wan_frames_options_and_refusals():
         type(a)(a.pipeline)
 
 
+def test_wan_unipc_scheduler_integer_timesteps_and_two_step_parity():
+    """The released Wan2.1 checkpoints ship UniPC with flow sigmas: integer timesteps for the
+    transformer, and for 2 steps the same sample as the pipeline (first-order steps == Euler)."""
+    from diffusers import UniPCMultistepScheduler
+
+    from diffalign.sampling import build_kernel, sample_linear
+
+    a = load_adapter("tiny:wan")
+    a.pipeline.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    a = type(a)(a.pipeline, num_frames=5, max_sequence_length=16)
+    assert a.integer_timesteps
+    sched = a.make_schedule(2, PX, PX)
+    stock_scheduler = UniPCMultistepScheduler.from_config(a.pipeline.scheduler.config)
+    stock_scheduler.set_timesteps(2)
+    assert a.model_timestep(sched[:-1]).tolist() == stock_scheduler.timesteps.float().tolist()
+    x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(7))
+    traj = sample_linear(a, build_kernel(a, "flow_grpo", 0.0), a.encode_prompts(PROMPTS, with_uncond=True), sched,
+                         torch.zeros(2, dtype=torch.bool), guidance_scale=3.0, height=PX, width=PX, noise=x)
+    with torch.no_grad():
+        stock = a.pipeline(prompt=PROMPTS, latents=x, guidance_scale=3.0, height=PX, width=PX, num_frames=5,
+                           num_inference_steps=2, output_type="latent", max_sequence_length=16).frames
+    torch.testing.assert_close(stock, traj.latents[:, -1], rtol=1e-4, atol=1e-4)
+
+
 # ---- rewards on videos -------------------------------------------------------------------
 def test_video_reward_is_the_mean_of_frame_rewards():
     import reward_models

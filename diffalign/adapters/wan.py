@@ -17,7 +17,7 @@
   after ``set_timesteps(N)``, as the pipeline calls it; the transformer gets the scheduler's
   timesteps ``1000 sigma`` (truncated to integers by UniPC). The flow kernels step these sigmas,
   so a deterministic sample equals the pipeline's for a FlowMatchEuler scheduler, and for UniPC
-  only for N = 1 (its multistep predictor-corrector differs from Euler beyond).
+  for N <= 2 (its multistep predictor-corrector differs from Euler beyond, as Sana's DPM-Solver).
 - Wan2.2's two-expert checkpoints (``transformer_2``, ``boundary_ratio``) and ``expand_timesteps``
   (TI2V-5B) are refused.
 """
