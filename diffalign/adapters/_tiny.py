@@ -166,7 +166,7 @@ QWEN3_CHAT_TEMPLATE = (
 )
 
 
-def tiny_qwen2_tokenizer(max_length: int = 64):
+def tiny_qwen2_tokenizer(max_length: int = 131072):  # Qwen2.5 / Qwen3 tokenizers' model_max_length
     """A byte-level BPE ``Qwen2Tokenizer`` (the class of Qwen2.5-VL's and Qwen3's tokenizers) built
     in memory: the 256 byte characters, whole words of :data:`TINY_WORDS` and
     :data:`QWEN_TEMPLATE_WORDS` with and without the leading-space marker ``Ġ``, Qwen's special
