@@ -241,8 +241,20 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    progress_bar: bool = True
+    progress_bar: bool = True  # tqdm bars on a terminal; elsewhere (and under --quiet) one line per phase
     report: bool = True  # write report.md with plots and sample grids at the end
+    # experiment trackers through accelerate (docs/tracking.md): tensorboard, wandb, mlflow, trackio
+    trackers: list[str] = field(default_factory=list)
+    project: str = "diffalign"  # the tracker project (W&B / trackio project, MLflow experiment)
+    run_name: Optional[str] = None  # the run's name in the trackers; None = the run directory's name
+    offline: bool = False  # W&B offline mode, MLflow file store under RUN_DIR/mlruns (TensorBoard and trackio are local anyway)
+
+    def validate(self) -> None:
+        from diffalign.training.tracking import TRACKER_MODULES
+
+        for name in self.trackers:
+            check(name in TRACKER_MODULES, "log.trackers", f"has unknown tracker {name!r} (known: {', '.join(TRACKER_MODULES)})")
+        check(bool(self.project), "log.project", "must not be empty")
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,10 +24,10 @@ from diffalign import distributed, runs
 from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
-from diffalign.config_files import dump_config
+from diffalign.config_files import dump_config, to_dict
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.sampling import build_kernel
-from diffalign.training import checkpoints, evaluator, metrics
+from diffalign.training import checkpoints, evaluator, metrics, tracking
 from diffalign.training.backend import Backend, allow_precision
 from diffalign.training.checks import check_on_policy, max_log_ratio
 from diffalign.training.policy import prepare_denoiser
@@ -66,11 +66,13 @@ class Trainer:
         # Validate everything that needs no model before touching the run directory.
         self.train_prompts, self.eval_prompts = resolve_prompts(cfg)
         self.probe_prompts = resolve_probe_prompts(cfg)
+        tracking.check_trackers(cfg.log.trackers)
         self.reward_fn = reward_models.build(cfg.reward.name, device="cpu", **cfg.reward.kwargs)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.mixed_precision = cfg.train.resolved_mixed_precision(device)
         allow_precision(self.mixed_precision)
-        self.accelerator = Accelerator(mixed_precision=self.mixed_precision, cpu=device.type == "cpu")
+        self.accelerator = Accelerator(mixed_precision=self.mixed_precision, cpu=device.type == "cpu",
+                                       log_with=tracking.log_with(cfg) or None)
         runs.check_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)  # every process: same verdict
         self.device = self.accelerator.device
         set_seed(cfg.seed)  # same on every process: identical initial (LoRA) weights
@@ -99,6 +101,8 @@ class Trainer:
             self.start_iteration = self._saved_iteration = checkpoints.load_latest(self)
         elif self.accelerator.is_main_process:
             runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
+        self.tracking = tracking.Tracking(self.accelerator, cfg)
+        self.tracking.start(to_dict(cfg))
 
     def _setup_trainable(self) -> None:
         """LoRA / full fine-tuning and the reference (:mod:`~diffalign.training.policy`), then the
@@ -213,8 +217,17 @@ class Trainer:
         pass
 
     def write_metrics(self, record: dict) -> None:
+        """Append ``record`` to metrics.jsonl and send it to the trackers (main process)."""
         if self.accelerator.is_main_process and record:
             self.metrics.write(record)
+            step = int(record.get("iteration", 0))
+            self.tracking.log(record, step)
+            if record.get("eval"):
+                from diffalign.evaluation import is_bound_key
+
+                rows = [[k[5:], float(v), record.get(f"{k}_lo"), record.get(f"{k}_hi")] for k, v in record.items()
+                        if k.startswith("eval/") and isinstance(v, (int, float)) and not is_bound_key(k)]
+                self.tracking.log_table("eval/table", ["metric", "value", "lo", "hi"], rows, step)
 
     def save_checkpoint(self, next_iteration: int) -> None:
         checkpoints.save_checkpoint(self, next_iteration)
@@ -226,6 +239,10 @@ class Trainer:
     # ---- main loop --------------------------------------------------------------------------
     def iteration(self, iteration: int) -> dict:
         raise NotImplementedError
+
+    def after_training(self) -> None:
+        """Called once after the final evaluation, export and report, while the trackers are
+        still open (a recipe adds its own pictures to the report here)."""
 
     def print_header(self) -> None:
         d = self.cfg.derived(self.accelerator.num_processes)
@@ -277,7 +294,10 @@ class Trainer:
                 from diffalign.report import write_report
 
                 write_report(self.run_dir)
+            self.after_training()
         finally:
             if self.reward_pool is not None:
                 self.reward_pool.shutdown()
+            if getattr(self, "tracking", None) is not None:
+                self.tracking.finish()
         return last_eval

@@ -104,6 +104,9 @@ def _run(trainer, iteration: int, *, save_grid: bool, probe: bool) -> dict:
         if images.ndim == 5:
             record["eval/frames"] = images.shape[1]  # tells the report the grid holds frame strips
         n = min(len(images), 8 if images.ndim == 5 else 64)  # videos: one frame strip per row
-        save_png(sample_grid(images[:n]), trainer.run_dir / "samples" / f"eval-iter-{iteration:06d}.png", scale=2)
+        grid = trainer.run_dir / "samples" / f"eval-iter-{iteration:06d}.png"
+        save_png(sample_grid(images[:n]), grid, scale=2)
+        if getattr(trainer, "tracking", None) is not None:  # a bare trainer (tests) has none
+            trainer.tracking.log_image("eval/samples", grid, iteration)
         runs.atomic_write_text(trainer.run_dir / "samples" / "eval-prompts.txt", "".join(p + "\n" for p in prompts[:n]))
     return record
