@@ -12,6 +12,7 @@ advantages -> update) using pure functions from :mod:`diffalign.algorithms` and 
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,9 @@ class Trainer:
             self.start_iteration = self._saved_iteration = checkpoints.load_latest(self)
         elif self.accelerator.is_main_process:
             runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
+            # the prompts as resolved at start: a prompt file may change after the run
+            runs.atomic_write_text(self.run_dir / "prompts.json",
+                                   json.dumps({"train": self.train_prompts, "eval": self.eval_prompts}, indent=0) + "\n")
         self.tracking = tracking.Tracking(self.accelerator, cfg)
         self.tracking.start(to_dict(cfg))
 
