@@ -17,10 +17,14 @@ EXIT_USAGE = 2
 
 
 def _cmd_train(args) -> int:
+    from diffalign import progress
+
+    progress.phase(f"diffalign train {args.config}: loading libraries and the config ...")  # torch and diffusers take a while
     from diffalign.config_files import load_config
     from diffalign.recipes import build_trainer
 
     cfg = load_config(args.config, args.overrides)
+    progress.phase(f"  config valid; setting up {cfg.algorithm.name} ...")
     trainer = build_trainer(cfg, resume=args.resume, overwrite=args.overwrite)
     trainer.train()
     print(f"run directory: {cfg.output_dir}")
@@ -337,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="known model families, rewards and algorithms")
     p.set_defaults(fn=_cmd_list)
     for p in sub.choices.values():
-        p.add_argument("--quiet", action="store_true", help="no progress bars or phase lines (errors and results only)")
+        p.add_argument("--quiet", action="store_true", help="no progress bars or phase lines (results and errors only)")
     return parser
 
 

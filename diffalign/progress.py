@@ -8,6 +8,7 @@ than a few seconds: bars refresh at least every :data:`REFRESH_S` seconds.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Iterable, Optional
 
@@ -33,17 +34,53 @@ def interactive() -> bool:
 def bar(iterable: Optional[Iterable] = None, *, total: Optional[int] = None, desc: str = "", unit: str = "it",
         disable: bool = False, leave: bool = False):
     """A tqdm bar on stderr when :func:`interactive`, else a silent pass-through (same interface).
-    Off a terminal it prints ``desc ...`` once (see :func:`phase`) unless ``disable``."""
-    from tqdm.auto import tqdm
-
+    Off a terminal it prints ``desc ...`` once (see :func:`phase`) unless ``disable``. A drawn bar
+    redraws every :data:`REFRESH_S` seconds even between updates, so that its elapsed time keeps
+    moving through a long step."""
     draw = interactive() and not disable
     if not draw and not disable and desc:
         phase(f"{desc} ...")
-    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not draw, leave=leave, file=sys.stderr,
-                mininterval=REFRESH_S, dynamic_ncols=True)
+    cls = _heartbeat_class()
+    return cls(iterable, total=total, desc=desc, unit=unit, disable=not draw, leave=leave, file=sys.stderr,
+               mininterval=REFRESH_S, dynamic_ncols=True)
+
+
+_HEARTBEAT = None
+
+
+def _heartbeat_class():
+    """tqdm with a daemon thread that refreshes the bar every REFRESH_S seconds until it closes."""
+    global _HEARTBEAT
+    if _HEARTBEAT is None:
+        import threading
+
+        from tqdm.auto import tqdm
+
+        class HeartbeatBar(tqdm):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self._stop = threading.Event()
+                if not self.disable:
+                    threading.Thread(target=self._beat, daemon=True).start()
+
+            def _beat(self) -> None:
+                while not self._stop.wait(REFRESH_S):
+                    try:
+                        self.refresh()
+                    except Exception:  # closed meanwhile (interpreter shutdown, a torn-down stream)
+                        return
+
+            def close(self) -> None:
+                if hasattr(self, "_stop"):
+                    self._stop.set()
+                super().close()
+
+        _HEARTBEAT = HeartbeatBar
+    return _HEARTBEAT
 
 
 def phase(message: str) -> None:
-    """One line on stderr (unless quiet): a phase starts or ends."""
-    if not _quiet:
+    """One line on stderr (unless quiet), on the first process of a multi-process launch only
+    (``RANK`` as torchrun and accelerate set it): a phase starts or ends."""
+    if not _quiet and os.environ.get("RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)

@@ -77,8 +77,12 @@ class Trainer:
         runs.check_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)  # every process: same verdict
         self.device = self.accelerator.device
         set_seed(cfg.seed)  # same on every process: identical initial (LoRA) weights
-        self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device, dtype=DTYPES[cfg.model.dtype],
-                                                  **cfg.model.options)
+        from diffalign import progress
+
+        # no finer progress inside diffusers' loading: the bar's clock keeps ticking through it
+        with progress.bar(desc=f"loading {cfg.model.id}", unit="", disable=not self.accelerator.is_main_process):
+            self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device,
+                                                      dtype=DTYPES[cfg.model.dtype], **cfg.model.options)
         self.resolution = cfg.model.resolution or self.adapter.default_resolution
         if self.device.type != "cpu" and cfg.reward.name:
             # rebuild on the accelerator when it has one (rewards take a device argument)
@@ -258,7 +262,7 @@ class Trainer:
 
     def train(self) -> dict:
         """Run to ``max_iterations``; returns the last eval record (or {})."""
-        from tqdm.auto import tqdm
+        from diffalign import progress
 
         self.setup()
         self.print_header()
@@ -272,14 +276,20 @@ class Trainer:
                 last_eval = self.evaluate(0, probe=True)
                 self.write_metrics(last_eval)
                 self.log("  eval before training: " + metrics.format_eval(last_eval))
-            bar = tqdm(range(self.start_iteration, cfg.max_iterations), initial=self.start_iteration, total=cfg.max_iterations,
-                       desc="iterations", disable=not (cfg.log.progress_bar and self.accelerator.is_main_process), file=sys.stderr)
-            for it in bar:
+            bar = progress.bar(total=cfg.max_iterations, desc="iterations", leave=True,
+                               disable=not (cfg.log.progress_bar and self.accelerator.is_main_process))
+            bar.update(self.start_iteration)
+            for it in range(self.start_iteration, cfg.max_iterations):
                 t0 = time.perf_counter()
                 record = self.iteration(it)
                 record = {"iteration": it, **record, "seconds": time.perf_counter() - t0, **{k: v for k, v in self.stats.items()}}
                 self.write_metrics(record)
-                bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}", loss=f"{record.get('loss', float('nan')):.4f}")
+                bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}", loss=f"{record.get('loss', float('nan')):.4f}",
+                                refresh=False)
+                bar.update(1)
+                if not (progress.interactive() or progress.is_quiet()) and cfg.log.progress_bar:
+                    self.log(f"  iteration {it + 1}/{cfg.max_iterations}: reward {record.get('reward_mean', float('nan')):.3f}, "
+                             f"{record['seconds']:.1f} s")
                 done = it + 1
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.max_iterations:
                     last_eval = self.evaluate(done)
