@@ -19,12 +19,13 @@ EXIT_USAGE = 2
 def _cmd_train(args) -> int:
     from diffalign import progress
 
-    progress.phase(f"diffalign train {args.config}: loading libraries and the config ...")  # torch and diffusers take a while
-    from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer
+    # torch and diffusers take seconds to import: a terminal-only bar that clears itself, so that
+    # bad input still ends in one line
+    with progress.bar(desc="loading libraries and the config", unit="", disable=not progress.interactive()):
+        from diffalign.config_files import load_config
+        from diffalign.recipes import build_trainer
 
-    cfg = load_config(args.config, args.overrides)
-    progress.phase(f"  config valid; setting up {cfg.algorithm.name} ...")
+        cfg = load_config(args.config, args.overrides)
     trainer = build_trainer(cfg, resume=args.resume, overwrite=args.overwrite)
     trainer.train()
     print(f"run directory: {cfg.output_dir}")

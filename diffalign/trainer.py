@@ -79,8 +79,10 @@ class Trainer:
         set_seed(cfg.seed)  # same on every process: identical initial (LoRA) weights
         from diffalign import progress
 
-        # no finer progress inside diffusers' loading: the bar's clock keeps ticking through it
-        with progress.bar(desc=f"loading {cfg.model.id}", unit="", disable=not self.accelerator.is_main_process):
+        # no finer progress inside diffusers' loading: the bar's clock keeps ticking through it (on a
+        # terminal only, and cleared after: a config error found later still ends in one line)
+        with progress.bar(desc=f"loading {cfg.model.id}", unit="",
+                          disable=not (self.accelerator.is_main_process and progress.interactive())):
             self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device,
                                                       dtype=DTYPES[cfg.model.dtype], **cfg.model.options)
         self.resolution = cfg.model.resolution or self.adapter.default_resolution

@@ -56,9 +56,22 @@ def test_sample_images_advances_the_bar_every_step(monkeypatch):
     from diffalign.adapters import load_adapter
     from diffalign.sampling import sample_images
 
-    err = _Terminal()
-    monkeypatch.setattr(sys, "stderr", err)
+    made = []
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            self.kwargs, self.n, self.closed = kwargs, 0, False
+            made.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(progress, "bar", lambda **kwargs: Recorder(**kwargs))
     adapter = load_adapter("tiny:sd3")
     sample_images(adapter, ["a", "b", "c"], num_steps=3, guidance_scale=1.0, resolution=32, seed=0, batch_size=2,
                   progress="sampling")
-    assert "6/6" in err.getvalue()  # 2 batches x 3 steps
+    (bar,) = made
+    assert bar.kwargs["total"] == bar.n == 6 and bar.closed  # 2 batches x 3 denoising steps, one update each
