@@ -305,6 +305,8 @@ class Trainer:
             last_eval = self.evaluate(final_iteration, probe=True)
             self.write_metrics(last_eval)
             self.log("  eval after training: " + metrics.format_eval(last_eval))
+            if self.accelerator.is_main_process and cfg.log.progress_bar:
+                progress.phase("  writing final/" + (" and report.md" if cfg.log.report else "") + " ...")
             self.save_final(final_iteration)
             if cfg.log.report and self.accelerator.is_main_process:
                 from diffalign.report import write_report
