@@ -117,7 +117,7 @@ def read_prompt_file(path: str, *, column: str = "prompt", split: str = "train",
     elif f.suffix.lower() == ".jsonl":
         values, columns = _read_jsonl(f, column, where)
     elif f.suffix.lower() == ".csv":
-        values, columns = _read_csv(f, column, where)
+        values, columns = _read_csv(f, column)
     elif f.suffix.lower() == ".parquet":
         values, columns = _read_parquet(f, column, where)
     else:
@@ -139,10 +139,11 @@ def read_prompt_file(path: str, *, column: str = "prompt", split: str = "train",
     return prompts
 
 
-def _read_jsonl(f: Path, column: str, where: str) -> tuple[list, list[str] | None]:
+def _read_jsonl(f: Path, column: str, where: str) -> tuple[list, None]:
+    """Values of ``column``, line by line (each line is checked for the key: no column list)."""
     import json
 
-    values, columns = [], None
+    values = []
     for n, line in enumerate(f.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -156,10 +157,10 @@ def _read_jsonl(f: Path, column: str, where: str) -> tuple[list, list[str] | Non
             raise ConfigError(f"config key 'prompts.column': line {n} of {str(f)!r} has no {column!r} "
                               f"(keys: {', '.join(obj) or 'none'})")
         values.append(obj[column])
-    return values, columns
+    return values, None
 
 
-def _read_csv(f: Path, column: str, where: str) -> tuple[list, list[str]]:
+def _read_csv(f: Path, column: str) -> tuple[list, list[str]]:
     import csv
 
     with f.open(newline="") as handle:
