@@ -182,14 +182,14 @@ def run_from_args(args) -> int:
     else:
         reward_fn = reward_models.build(args.reward, device="cpu")
         judge = f"reward {args.reward}"
-    targets = list(args.runs) or [args.base]
+    model_refs = list(args.runs) or [args.base]
     results, per_image = {}, {}
-    for target in targets:
-        path = Path(target)
-        name = path.name if path.is_dir() else target
+    for model_ref in model_refs:
+        path = Path(model_ref)
+        name = path.name if path.is_dir() else model_ref
         progress.phase(f"geneval: {name} on {len(entries)} prompts x {args.images_per_prompt} images, judged by {judge} ...")
         adapter = load_trained_adapter(path) if (path / "final").is_dir() or (path / "diffalign.json").is_file() \
-            else load_adapter(target)
+            else load_adapter(model_ref)
         result = evaluate_geneval(adapter, entries, reward_fn, images_per_prompt=args.images_per_prompt, num_steps=args.steps,
                                   guidance_scale=args.guidance_scale, seed=args.seed, batch_size=args.batch_size,
                                   autocast_dtype=args.autocast_dtype)
