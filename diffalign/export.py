@@ -211,9 +211,17 @@ def export_run(
             shutil.copy2(run_dir / "final" / LORA_WEIGHTS_FILE, tmp / LORA_WEIGHTS_FILE)
             pipeline_class = None
         else:
+            from diffalign import progress
+
             log(f"fusing the trained weights into {meta['base_model']} ...")
-            adapter = merged_adapter(run_dir)
-            adapter.pipeline.save_pretrained(str(tmp), safe_serialization=True)
+            # two long steps without finer progress: the bar's clock keeps ticking through them
+            with progress.bar(total=2, desc="export merged", unit="step") as bar:
+                bar.set_postfix_str("loading and fusing")
+                adapter = merged_adapter(run_dir)
+                bar.update(1)
+                bar.set_postfix_str("writing the pipeline")
+                adapter.pipeline.save_pretrained(str(tmp), safe_serialization=True)
+                bar.update(1)
             pipeline_class = type(adapter.pipeline)
             del adapter
         grids = eval_grids(run_dir, evals)

@@ -357,11 +357,9 @@ class BranchGRPOTrainer(Trainer):
         self._picture = {"iteration": iteration, "prompt": prompt, "previews": traj.previews[0].cpu(),
                          "leaf_rewards": leaf_rewards.clone(), "advantages": advantages.clone(), "edges": edges.clone()}
 
-    def train(self) -> dict:
-        result = super().train()
+    def after_training(self) -> None:
         if self._picture is not None and self.cfg.log.report and self.accelerator.is_main_process:
             self.write_tree_report()
-        return result
 
     def write_tree_report(self) -> None:
         """Draw the captured tree into ``report/tree.png`` and append a section to ``report.md``."""
@@ -372,6 +370,7 @@ class BranchGRPOTrainer(Trainer):
         path = self.run_dir / "report" / "tree.png"
         draw_tree(images, tree, pic["leaf_rewards"], path, trained=pic["edges"], advantages=pic["advantages"],
                   title=f"iteration {pic['iteration']}: \"{pic['prompt']}\" (x0 previews; solid = trained edges)")
+        self.tracking.log_image("tree", path, pic["iteration"])
         r = pic["leaf_rewards"]
         lines = [
             "", "## BranchGRPO tree", "",

@@ -7,7 +7,7 @@ The sampler axis sits between models (adapters) and algorithms: it only calls
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -168,13 +168,14 @@ def sample_linear(
     noise: Optional[torch.Tensor] = None,
     step_noise: Optional[torch.Tensor] = None,
     keep_latents: bool = True,
+    on_step: Optional[Callable[[], None]] = None,
 ) -> Trajectory:
     """Roll out ``len(embeds)`` samples along ``schedule``; stochastic where ``sde_mask``.
 
     Noise comes from ``noise`` (initial, ``(B, *latent)``) and ``step_noise`` (``(B, T, *latent)``,
     used on SDE steps) when given — then results do not depend on how a batch is chunked or split
     across processes — else from ``generator``. With ``keep_latents=False`` only the first and
-    last states are kept (evaluation).
+    last states are kept (evaluation). ``on_step`` is called after every step (progress bars).
     """
     batch = len(embeds)
     x = noise if noise is not None else draw_noise(adapter, batch, height, width, generator)
@@ -193,6 +194,8 @@ def sample_linear(
         x = out.prev_sample.float()
         if keep_latents or i == num_steps - 1:
             states.append(x)
+        if on_step is not None:
+            on_step()
     latents = torch.stack(states, dim=1)
     images = adapter.decode(x).float().clamp(0, 1)
     return Trajectory(latents, log_probs, schedule.clone(), sde_mask.clone(), images)
@@ -208,18 +211,29 @@ def sample_images(
     resolution: int,
     seed: int,
     batch_size: int = 16,
+    progress: Optional[str] = None,
 ) -> torch.Tensor:
     """Deterministic samples (flow ODE / DDIM eta=0) for ``prompts`` with a fixed seed, so that
-    two models compared on the same seed start from the same noise. Returns (N, 3, H, W) on CPU."""
+    two models compared on the same seed start from the same noise. Returns (N, 3, H, W) on CPU.
+    ``progress``: a bar with this description, advanced every denoising step
+    (:mod:`diffalign.progress`)."""
     gen = torch.Generator("cpu").manual_seed(seed)
     schedule = adapter.make_schedule(num_steps, resolution, resolution)
     mask = torch.zeros(num_steps, dtype=torch.bool)
     kernel = build_kernel(adapter, "ddim" if adapter.prediction_type == "epsilon" else "flow_grpo", 0.0)
     out = []
+    bar = None
+    if progress is not None:
+        from diffalign import progress as progress_bars
+
+        bar = progress_bars.bar(total=len(range(0, len(prompts), batch_size)) * num_steps, desc=progress, unit="step")
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start : start + batch_size])
         embeds = adapter.encode_prompts(chunk, with_uncond=guidance_scale > 1)
         traj = sample_linear(adapter, kernel, embeds, schedule, mask, guidance_scale=guidance_scale,
-                             height=resolution, width=resolution, generator=gen, keep_latents=False)
+                             height=resolution, width=resolution, generator=gen, keep_latents=False,
+                             on_step=None if bar is None else bar.update)
         out.append(traj.images.cpu())
+    if bar is not None:
+        bar.close()
     return torch.cat(out)
