@@ -27,12 +27,12 @@ schedule ends with ``-1`` meaning "the final, clean state".
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence
 
 import torch
 
-from ._util import bcast, guided_forward, scheduler_sigmas, vae_decode
+from ._util import bcast, guided_forward, pipeline_kwargs, scheduler_sigmas, vae_decode
 
 # ``model.dtype`` (and ``algorithm.quant.compute_dtype``) names -> torch dtypes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,6 +96,11 @@ class ModelAdapter(ABC):
     prediction_type: ClassVar[str]  # "flow" (velocity) or "epsilon"
     default_resolution: ClassVar[int] = 512
     default_lora_targets: ClassVar[list[str]] = []
+    pipeline_class: ClassVar[str] = ""  # the diffusers pipeline from_pretrained loads, e.g. "FluxPipeline"
+    options: ClassVar[tuple[str, ...]] = ()  # adapter options: the constructor's keyword-only arguments
+    # from_pretrained keywords used unless given: pipeline arguments or adapter options that differ
+    # for a real checkpoint (SD1.5: no safety checker; Sana: the complex human instruction on).
+    pretrained_defaults: ClassVar[dict] = {}
     latent_packing: ClassVar[int] = 1  # latent patches the pipeline packs into channels (FLUX.1: 2x2); see latent_shape
     display_name: ClassVar[str] = ""  # the family in error messages ("SD3", "FLUX.2"); "" = family
 
@@ -114,9 +119,18 @@ class ModelAdapter(ABC):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    @abstractmethod
     def from_pretrained(cls, model_id: str, *, device="cpu", dtype=torch.float32, **kwargs) -> "ModelAdapter":
-        """Load the real pipeline with ``from_pretrained`` (hub id or local folder)."""
+        """Load ``pipeline_class`` with its own ``from_pretrained`` (hub id or local folder).
+
+        ``kwargs`` named in :attr:`options` go to the adapter's constructor, the rest to the
+        pipeline's ``from_pretrained`` (``revision``, ``variant`` ...); :attr:`pretrained_defaults`
+        fills in either kind when not given."""
+        import diffusers
+
+        kwargs = {**cls.pretrained_defaults, **kwargs}
+        options = {name: kwargs.pop(name) for name in cls.options if name in kwargs}
+        pipeline = getattr(diffusers, cls.pipeline_class).from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
+        return cls(pipeline, device=device, dtype=dtype, **options)
 
     @classmethod
     @abstractmethod

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._util import module_dtype, pipeline_kwargs, pipeline_sigmas, scheduler_sigmas, shift_mu
+from ._util import module_dtype, pipeline_sigmas, scheduler_sigmas, shift_mu
 from .base import ModelAdapter, PromptEmbeds
 from .sd3 import FLOW_GRPO_LORA_TARGETS
 
@@ -65,6 +65,8 @@ class FluxAdapter(ModelAdapter):
     prediction_type = "flow"
     default_resolution = 1024
     default_lora_targets = FLOW_GRPO_LORA_TARGETS  # the double-stream blocks, as in Flow-GRPO
+    pipeline_class = "FluxPipeline"
+    options = ("guidance", "max_sequence_length")
     latent_packing = 2  # 2x2 latent pixels per token, packed in predict
     display_name = "FLUX"
 
@@ -86,15 +88,6 @@ class FluxAdapter(ModelAdapter):
         self.default_resolution = FLUX_DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, guidance=FLUX_DEV_GUIDANCE, max_sequence_length=None, **kwargs
-    ):
-        from diffusers import FluxPipeline
-
-        pipe = FluxPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, guidance=guidance, max_sequence_length=max_sequence_length)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "FluxAdapter":
         """1 double + 1 single block of width 32 with guidance embedding (like FLUX.1-dev), a

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from ._util import module_dtype, pipeline_kwargs, pipeline_sigmas, scheduler_sigmas, to_unit_range
+from ._util import module_dtype, pipeline_sigmas, scheduler_sigmas, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 from .sd3 import FLOW_GRPO_LORA_TARGETS
 
@@ -58,6 +58,8 @@ class Flux2Adapter(ModelAdapter):
     # The double-stream attention projections (image to_*, text add_*), as for FLUX.1; the single-stream
     # blocks fuse q/k/v and the MLP into one projection (to_qkv_mlp_proj) and stay frozen.
     default_lora_targets = FLOW_GRPO_LORA_TARGETS
+    pipeline_class = "Flux2KleinPipeline"
+    options = ("max_sequence_length", "text_encoder_out_layers")
     display_name = "FLUX.2"
 
     def __init__(
@@ -77,17 +79,6 @@ class Flux2Adapter(ModelAdapter):
         self.default_resolution = pipeline.default_sample_size * self.vae_scale_factor
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, max_sequence_length: int = FLUX2_MAX_SEQUENCE_LENGTH,
-        text_encoder_out_layers: Sequence[int] = FLUX2_TEXT_LAYERS, **kwargs,
-    ):
-        from diffusers import Flux2KleinPipeline
-
-        pipe = Flux2KleinPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, max_sequence_length=max_sequence_length,
-                   text_encoder_out_layers=text_encoder_out_layers)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "Flux2Adapter":
         """1 double + 1 single block of width 32 (2 heads of 16), a 3-layer Qwen3 of width 16

@@ -27,9 +27,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ModelLoadError
-from ._util import (
-    denormalize_latents, module_dtype, pipeline_kwargs, pipeline_sigmas, scheduler_sigmas, shift_mu, to_unit_range,
-)
+from ._util import denormalize_latents, module_dtype, pipeline_sigmas, scheduler_sigmas, shift_mu, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 from .flux import pack_latents, unpack_latents
 from .sd3 import FLOW_GRPO_LORA_TARGETS
@@ -60,6 +58,8 @@ class QwenImageAdapter(ModelAdapter):
     default_resolution = 1024
     # The same joint-attention projections as SD3 (to_* image stream, add_* text stream).
     default_lora_targets = FLOW_GRPO_LORA_TARGETS
+    pipeline_class = "QwenImagePipeline"
+    options = ("max_sequence_length", "negative_prompt")
     latent_packing = 2  # 2x2 latent pixels per token, packed in predict
     display_name = "Qwen-Image"
 
@@ -83,16 +83,6 @@ class QwenImageAdapter(ModelAdapter):
         self.default_resolution = pipeline.default_sample_size * self.vae_scale_factor
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, max_sequence_length: int = QWEN_MAX_SEQUENCE_LENGTH,
-        negative_prompt: str = QWEN_NEGATIVE_PROMPT, **kwargs,
-    ):
-        from diffusers import QwenImagePipeline
-
-        pipe = QwenImagePipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, max_sequence_length=max_sequence_length, negative_prompt=negative_prompt)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "QwenImageAdapter":
         """1 MMDiT block of width 16 (2 heads of 8), a 1-layer Qwen2.5-VL text model of width 16

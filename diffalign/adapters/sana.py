@@ -30,7 +30,7 @@ from typing import Sequence, Union
 import torch
 
 from ..errors import ModelLoadError
-from ._util import gives_integer_timesteps, is_flow_scheduler, module_dtype, pipeline_kwargs
+from ._util import gives_integer_timesteps, is_flow_scheduler, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 
 # Every attention projection: linear self-attention (attn1) and cross-attention (attn2) of each
@@ -63,6 +63,9 @@ class SanaAdapter(ModelAdapter):
     prediction_type = "flow"
     default_resolution = 1024
     default_lora_targets = SANA_LORA_TARGETS
+    pipeline_class = "SanaPipeline"
+    options = ("max_sequence_length", "complex_human_instruction")
+    pretrained_defaults = {"complex_human_instruction": True}  # on, as in SanaPipeline.__call__
     display_name = "Sana"
 
     def __init__(
@@ -95,17 +98,6 @@ class SanaAdapter(ModelAdapter):
         self.integer_timesteps = gives_integer_timesteps(pipeline.scheduler)
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, max_sequence_length: int = SANA_MAX_SEQUENCE_LENGTH,
-        complex_human_instruction: ComplexHumanInstruction = True, **kwargs,
-    ):
-        from diffusers import SanaPipeline
-
-        pipe = SanaPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, max_sequence_length=max_sequence_length,
-                   complex_human_instruction=complex_human_instruction)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "SanaAdapter":
         """1 Sana block of width 16 (2 heads of 8), a 1-layer Gemma-2 of width 16, a 2x DC-AE

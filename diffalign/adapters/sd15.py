@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from ._ddim import FINAL_T, UNetDDIMMixin
-from ._util import batch_t, module_dtype, pipeline_kwargs
+from ._util import batch_t, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 
 # DDPO's LoRA targets: every attention projection of the UNet (self- and cross-attention).
@@ -33,22 +33,15 @@ class SD15Adapter(UNetDDIMMixin, ModelAdapter):
     prediction_type = "epsilon"
     default_resolution = 512
     default_lora_targets = SD15_LORA_TARGETS
+    pipeline_class = "StableDiffusionPipeline"
+    # The safety checker is never run here (we decode ourselves); skip loading its weights.
+    pretrained_defaults = {"safety_checker": None, "requires_safety_checker": False}
 
     def __init__(self, pipeline, *, device="cpu", dtype=torch.float32):
         super().__init__(pipeline, device=device, dtype=dtype)
         self._init_ddim(pipeline)  # scheduler, model_prediction_type, vae_scale_factor, default_resolution
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, model_id: str, *, device="cpu", dtype=torch.float32, **kwargs):
-        from diffusers import StableDiffusionPipeline
-
-        # The safety checker is never run here (we decode ourselves); skip loading its weights.
-        kwargs.setdefault("safety_checker", None)
-        kwargs.setdefault("requires_safety_checker", False)
-        pipe = StableDiffusionPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "SD15Adapter":
         """A 2-level UNet (channels 8/16, cross-attention at the second level), a 2-layer CLIP

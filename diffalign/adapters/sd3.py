@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._util import module_dtype, pipeline_kwargs, scheduler_sigmas, shift_mu
+from ._util import module_dtype, scheduler_sigmas, shift_mu
 from .base import ModelAdapter, PromptEmbeds
 
 # Flow-GRPO's LoRA targets for SD3: the image-stream (to_*) and text-stream (add_*) projections
@@ -43,6 +43,8 @@ class SD3Adapter(ModelAdapter):
     prediction_type = "flow"
     default_resolution = 1024
     default_lora_targets = FLOW_GRPO_LORA_TARGETS
+    pipeline_class = "StableDiffusion3Pipeline"
+    options = ("max_sequence_length",)
     display_name = "SD3"
 
     def __init__(self, pipeline, *, device="cpu", dtype=torch.float32, max_sequence_length: Optional[int] = None):
@@ -56,13 +58,6 @@ class SD3Adapter(ModelAdapter):
         self.default_resolution = pipeline.transformer.config.sample_size * self.vae_scale_factor
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, model_id: str, *, device="cpu", dtype=torch.float32, max_sequence_length=None, **kwargs):
-        from diffusers import StableDiffusion3Pipeline
-
-        pipe = StableDiffusion3Pipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, max_sequence_length=max_sequence_length)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "SD3Adapter":
         """2 joint blocks of width 16, two 2-layer CLIPs of width 16, a 1-layer T5 of width 32,

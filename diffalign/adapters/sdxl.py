@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._ddim import UNetDDIMMixin
-from ._util import batch_t, module_dtype, pipeline_kwargs, to_unit_range
+from ._util import batch_t, module_dtype, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 from .sd15 import SD15_LORA_TARGETS
 
@@ -52,6 +52,9 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
     prediction_type = "epsilon"
     default_resolution = 1024
     default_lora_targets = SD15_LORA_TARGETS  # every attention projection of the UNet (DDPO / SPO)
+    pipeline_class = "StableDiffusionXLPipeline"
+    options = ("original_size", "crops_coords_top_left", "target_size")
+    pretrained_defaults = {"add_watermarker": False}  # we decode ourselves; the watermark is never applied
 
     def __init__(
         self,
@@ -73,18 +76,6 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
             vae.to(dtype=torch.float32)  # what the pipeline does around every decode, once
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, original_size=None, crops_coords_top_left=(0, 0),
-        target_size=None, **kwargs,
-    ):
-        from diffusers import StableDiffusionXLPipeline
-
-        kwargs.setdefault("add_watermarker", False)  # we decode ourselves; the watermark is never applied
-        pipe = StableDiffusionXLPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, original_size=original_size,
-                   crops_coords_top_left=crops_coords_top_left, target_size=target_size)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "SDXLAdapter":
         """A 2-level UNet (channels 8/16, cross-attention at the second level) with SDXL's

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ModelLoadError
-from ._util import denormalize_latents, gives_integer_timesteps, is_flow_scheduler, module_dtype, pipeline_kwargs, to_unit_range
+from ._util import denormalize_latents, gives_integer_timesteps, is_flow_scheduler, module_dtype, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 
 WAN_MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default umT5 length
@@ -52,6 +52,8 @@ class WanAdapter(ModelAdapter):
     prediction_type = "flow"
     default_resolution = 480  # the pipeline's default height (its default width is 832; ours are square)
     default_lora_targets = WAN_LORA_TARGETS
+    pipeline_class = "WanPipeline"
+    options = ("num_frames", "max_sequence_length", "negative_prompt")
     display_name = "Wan"
 
     def __init__(
@@ -83,17 +85,6 @@ class WanAdapter(ModelAdapter):
         self.integer_timesteps = gives_integer_timesteps(pipeline.scheduler)
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, num_frames: int = WAN_NUM_FRAMES,
-        max_sequence_length: int = WAN_MAX_SEQUENCE_LENGTH, negative_prompt: str = "", **kwargs,
-    ):
-        from diffusers import WanPipeline
-
-        pipe = WanPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, num_frames=num_frames, max_sequence_length=max_sequence_length,
-                   negative_prompt=negative_prompt)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "WanAdapter":
         """1 Wan block of width 16 (2 heads of 8), a 1-layer umT5 of width 32, a Wan VAE with 4
