@@ -148,9 +148,9 @@ class ModelAdapter(ABC):
     def frozen_modules(self) -> list[torch.nn.Module]:
         """Every torch module of the pipeline but the denoiser (text encoders, VAE, ...), in the
         order of their component names; these are never trained."""
-        denoiser = self.denoiser
-        components = (getattr(self.pipeline, name) for name in sorted(self.pipeline.config) if not name.startswith("_"))
-        return [m for m in components if isinstance(m, torch.nn.Module) and m is not denoiser]
+        denoiser, components = self.denoiser, self.pipeline.components
+        modules = (components[name] for name in sorted(components))
+        return [m for m in modules if isinstance(m, torch.nn.Module) and m is not denoiser]
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """Shape of one latent (without batch) for an image of ``height x width`` pixels.
