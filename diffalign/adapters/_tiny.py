@@ -83,11 +83,11 @@ def tiny_clip_text_config(vocab_size: int, *, hidden_size: int = 16, projection_
     )
 
 
-def tiny_t5_config(vocab_size: int, *, d_model: int = 32):
-    """A 1-layer T5 encoder config."""
+def tiny_t5_config(vocab_size: int, *, d_model: int = 32, config_class=None):
+    """A 1-layer T5 encoder config (``config_class``: another T5 flavour's, e.g. ``UMT5Config``)."""
     from transformers import T5Config
 
-    return T5Config(
+    return (config_class or T5Config)(
         vocab_size=vocab_size,
         d_model=d_model,
         d_kv=8,
@@ -99,6 +99,35 @@ def tiny_t5_config(vocab_size: int, *, d_model: int = 32):
         pad_token_id=0,
         eos_token_id=1,
         decoder_start_token_id=0,
+    )
+
+
+def tiny_unet(*, cross_attention_dim: int, attention_head_dim, **options):
+    """A 2-level ``UNet2DConditionModel`` (channels 8 / 16, cross-attention at the second level)
+    on 4-channel 16 x 16 latents (32 px images); ``options`` add SDXL's conditioning."""
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=16,  # latent size of a 32 px image
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=cross_attention_dim,
+        attention_head_dim=attention_head_dim,
+        norm_num_groups=4,
+        **options,
+    )
+
+
+def tiny_decoder_config(config_class, vocab_size: int, *, width: int = 16, num_layers: int = 1, **options):
+    """A decoder-only text model config (Gemma-2, Qwen3, Qwen2.5-VL's text part) of width
+    ``width``: 2 query heads sharing 1 key-value head, an MLP of twice the width."""
+    return config_class(
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=num_layers,
+        num_attention_heads=2, num_key_value_heads=1, **options,
     )
 
 

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from ._util import batch_t, bcast, guided_forward, module_dtype, pipeline_kwargs
+from ._util import module_dtype, pipeline_sigmas, scheduler_sigmas, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 from .sd3 import FLOW_GRPO_LORA_TARGETS
 
@@ -59,6 +58,9 @@ class Flux2Adapter(ModelAdapter):
     # The double-stream attention projections (image to_*, text add_*), as for FLUX.1; the single-stream
     # blocks fuse q/k/v and the MLP into one projection (to_qkv_mlp_proj) and stay frozen.
     default_lora_targets = FLOW_GRPO_LORA_TARGETS
+    pipeline_class = "Flux2KleinPipeline"
+    options = ("max_sequence_length", "text_encoder_out_layers")
+    display_name = "FLUX.2"
 
     def __init__(
         self,
@@ -78,17 +80,6 @@ class Flux2Adapter(ModelAdapter):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, max_sequence_length: int = FLUX2_MAX_SEQUENCE_LENGTH,
-        text_encoder_out_layers: Sequence[int] = FLUX2_TEXT_LAYERS, **kwargs,
-    ):
-        from diffusers import Flux2KleinPipeline
-
-        pipe = Flux2KleinPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, max_sequence_length=max_sequence_length,
-                   text_encoder_out_layers=text_encoder_out_layers)
-
-    @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "Flux2Adapter":
         """1 double + 1 single block of width 32 (2 heads of 16), a 3-layer Qwen3 of width 16
         (its layers 1, 2, 3 stacked: 48 text channels), a 2x FLUX.2 VAE with 4 latent channels
@@ -97,17 +88,17 @@ class Flux2Adapter(ModelAdapter):
         from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        from ._tiny import tiny_qwen2_tokenizer
+        from ._tiny import tiny_decoder_config, tiny_qwen2_tokenizer
 
         kwargs.setdefault("max_sequence_length", 16)
         kwargs.setdefault("text_encoder_out_layers", (1, 2, 3))
         torch.manual_seed(seed)
         width, latent_channels = 16, 4
         tokenizer = tiny_qwen2_tokenizer()
-        text_encoder = Qwen3ForCausalLM(Qwen3Config(
-            vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=3,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
-            bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id,
+        pad = tokenizer.pad_token_id
+        text_encoder = Qwen3ForCausalLM(tiny_decoder_config(
+            Qwen3Config, len(tokenizer), width=width, num_layers=3, head_dim=8, max_position_embeddings=64,
+            bos_token_id=pad, eos_token_id=pad, pad_token_id=pad,
         ))
         transformer = Flux2Transformer2DModel(
             patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1,
@@ -128,19 +119,10 @@ class Flux2Adapter(ModelAdapter):
         return cls(pipe, device=device, dtype=dtype, **kwargs)  # kwargs: adapter options
 
     # ---- the contract -------------------------------------------------------------------
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipeline.transformer
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        p = self.pipeline
-        return [m for m in (p.text_encoder, p.vae) if m is not None]
-
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         multiple = 2 * self.vae_scale_factor  # VAE downsampling, then 2x2 patchify
-        if height % multiple or width % multiple:
-            raise ValueError(f"FLUX.2 image size must be a multiple of {multiple}, got {height}x{width}")
-        return (self.pipeline.transformer.config.in_channels, height // multiple, width // multiple)
+        channels = self.pipeline.transformer.config.in_channels
+        return self._latent_shape(height, width, multiple=multiple, channels=channels, downsample=multiple)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
@@ -151,15 +133,14 @@ class Flux2Adapter(ModelAdapter):
             )
             return {"encoder_hidden_states": pe}
 
-        prompts = list(prompts)
-        return PromptEmbeds(encode(prompts), encode([""] * len(prompts)) if with_uncond else None)
+        return PromptEmbeds.from_encoder(encode, prompts, with_uncond)
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
         """Velocity at ``(x, t)``, ``x`` of shape ``(B, 4C, h, w)``; a step-distilled model
         ignores ``guidance_scale``, as its pipeline does."""
         transformer = self.pipeline.transformer
         dtype = module_dtype(transformer)
-        b, c, h, w = x.shape
+        _, c, h, w = x.shape
 
         def forward(xb, tb, kw):
             n = xb.shape[0]
@@ -177,10 +158,7 @@ class Flux2Adapter(ModelAdapter):
             return out.permute(0, 2, 1).reshape(n, c, h, w)
 
         g = 1.0 if self.is_distilled else guidance_scale
-        return guided_forward(forward, x, batch_t(t, b, x.device), embeds, g, self.detach_uncond)
-
-    def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return x.float() - bcast(t, x) * model_output.float()  # x0_hat = x_t - t * v
+        return self._guided(forward, x, t, embeds, g)
 
     def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Adapter latents ``(B, 4C, h, w)`` -> the VAE's ``(B, C, 2h, 2w)`` (what the pipeline
@@ -195,8 +173,7 @@ class Flux2Adapter(ModelAdapter):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        image = self.pipeline.vae.decode(self.vae_latents(latents), return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(self.pipeline.vae.decode(self.vae_latents(latents), return_dict=False)[0])
 
     def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """Sigmas exactly as ``Flux2KleinPipeline`` sets them: ``linspace(1, 1/N, N)`` (unless the
@@ -205,9 +182,10 @@ class Flux2Adapter(ModelAdapter):
         from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
-        config = self.pipeline.scheduler.config
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)  # fresh: no shared step state
+        scheduler = self.pipeline.scheduler
         _, h, w = self.latent_shape(height, width)
-        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
-        scheduler.set_timesteps(num_steps, device="cpu", sigmas=sigmas, mu=compute_empirical_mu(h * w, num_steps))
-        return scheduler.sigmas.detach().to("cpu", torch.float32).clone()
+        sigmas = pipeline_sigmas(num_steps, scheduler.config)
+        return scheduler_sigmas(
+            scheduler, num_steps, scheduler_class=FlowMatchEulerDiscreteScheduler, sigmas=sigmas,
+            mu=compute_empirical_mu(h * w, num_steps),
+        )

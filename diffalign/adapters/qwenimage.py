@@ -24,11 +24,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from ..errors import ModelLoadError
-from ._util import batch_t, bcast, guided_forward, module_dtype, pipeline_kwargs
+from ._util import denormalize_latents, module_dtype, pipeline_sigmas, scheduler_sigmas, shift_mu, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 from .flux import pack_latents, unpack_latents
 from .sd3 import FLOW_GRPO_LORA_TARGETS
@@ -59,6 +58,10 @@ class QwenImageAdapter(ModelAdapter):
     default_resolution = 1024
     # The same joint-attention projections as SD3 (to_* image stream, add_* text stream).
     default_lora_targets = FLOW_GRPO_LORA_TARGETS
+    pipeline_class = "QwenImagePipeline"
+    options = ("max_sequence_length", "negative_prompt")
+    latent_packing = 2  # 2x2 latent pixels per token, packed in predict
+    display_name = "Qwen-Image"
 
     def __init__(
         self,
@@ -81,16 +84,6 @@ class QwenImageAdapter(ModelAdapter):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, max_sequence_length: int = QWEN_MAX_SEQUENCE_LENGTH,
-        negative_prompt: str = QWEN_NEGATIVE_PROMPT, **kwargs,
-    ):
-        from diffusers import QwenImagePipeline
-
-        pipe = QwenImagePipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, max_sequence_length=max_sequence_length, negative_prompt=negative_prompt)
-
-    @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "QwenImageAdapter":
         """1 MMDiT block of width 16 (2 heads of 8), a 1-layer Qwen2.5-VL text model of width 16
         (with a 1-block vision tower the class requires), a 2x Qwen-Image VAE with 4 latent
@@ -98,16 +91,15 @@ class QwenImageAdapter(ModelAdapter):
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-        from ._tiny import QWEN_LATENTS_MEAN, QWEN_LATENTS_STD, tiny_qwen2_tokenizer
+        from ._tiny import QWEN_LATENTS_MEAN, QWEN_LATENTS_STD, tiny_decoder_config, tiny_qwen2_tokenizer
 
         kwargs.setdefault("max_sequence_length", 16)
         torch.manual_seed(seed)
         width, latent_channels = 16, 4
         tokenizer = tiny_qwen2_tokenizer()
         special = dict(bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id)
-        text_config = dict(
-            vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        text_config = tiny_decoder_config(
+            dict, len(tokenizer), width=width, max_position_embeddings=256,
             rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},  # sums to head_dim / 2 = 4
             **special,
         )
@@ -132,21 +124,6 @@ class QwenImageAdapter(ModelAdapter):
         return cls(pipe, device=device, dtype=dtype, **kwargs)  # kwargs: adapter options
 
     # ---- the contract -------------------------------------------------------------------
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipeline.transformer
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        p = self.pipeline
-        return [m for m in (p.text_encoder, p.vae) if m is not None]
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        multiple = 2 * self.vae_scale_factor  # VAE downsampling, then 2x2 packing
-        if height % multiple or width % multiple:
-            raise ValueError(f"Qwen-Image image size must be a multiple of {multiple}, got {height}x{width}")
-        c = self.pipeline.transformer.config.in_channels // 4
-        return (c, height // self.vae_scale_factor, width // self.vae_scale_factor)
-
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
         def encode(texts):
@@ -160,8 +137,7 @@ class QwenImageAdapter(ModelAdapter):
                 "encoder_hidden_states_mask": torch.cat([mask, mask.new_zeros(b, pad)], dim=1),
             }
 
-        prompts = list(prompts)
-        return PromptEmbeds(encode(prompts), encode([self.negative_prompt] * len(prompts)) if with_uncond else None)
+        return PromptEmbeds.from_encoder(encode, prompts, with_uncond, self.negative_prompt)
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
         """Velocity at ``(x, t)``; ``x`` is unpacked ``(B, C, h, w)``. CFG as the pipeline's
@@ -180,40 +156,25 @@ class QwenImageAdapter(ModelAdapter):
                 return_dict=False,
             )[0]
 
-        tokens = guided_forward(forward, x, batch_t(t, x.shape[0], x.device), embeds, guidance_scale, self.detach_uncond,
-                                combine=rescaled_cfg)
-        return unpack_latents(tokens, h, w)
-
-    def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return x.float() - bcast(t, x) * model_output.float()  # x0_hat = x_t - t * v
+        return unpack_latents(self._guided(forward, x, t, embeds, guidance_scale, combine=rescaled_cfg), h, w)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipeline.vae
-        z = latents.to(device=vae.device, dtype=vae.dtype)[:, :, None]  # (B, C, 1 frame, h, w)
-        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-        image = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        z = denormalize_latents(vae, latents[:, :, None])  # (B, C, 1 frame, h, w)
+        return to_unit_range(vae.decode(z, return_dict=False)[0][:, :, 0])
 
     def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """Sigmas exactly as ``QwenImagePipeline`` sets them: ``linspace(1, 1/N, N)`` shifted
         with ``mu = calculate_shift(image tokens)``, then 0 appended."""
         from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-        config = self.pipeline.scheduler.config
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)  # fresh: no shared step state
+        scheduler = self.pipeline.scheduler
         _, h, w = self.latent_shape(height, width)
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
+        mu = shift_mu(scheduler.config, (h // 2) * (w // 2))
+        sigmas = scheduler_sigmas(
+            scheduler, num_steps, scheduler_class=FlowMatchEulerDiscreteScheduler, sigmas=pipeline_sigmas(num_steps), mu=mu
         )
-        scheduler.set_timesteps(num_steps, device="cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
-        sigmas = scheduler.sigmas.detach().to("cpu", torch.float32).clone()
         if not torch.isfinite(sigmas).all():  # shift_terminal stretches sigmas 1 .. 1/N: 0 / 0 for N = 1
             raise ValueError(f"Qwen-Image's scheduler gives non-finite sigmas for {num_steps} step(s) (shift_terminal needs >= 2)")
         return sigmas

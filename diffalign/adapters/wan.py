@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ModelLoadError
-from ._util import batch_t, bcast, gives_integer_timesteps, guided_forward, is_flow_scheduler, module_dtype, pipeline_kwargs
+from ._util import denormalize_latents, gives_integer_timesteps, is_flow_scheduler, module_dtype, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 
 WAN_MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default umT5 length
@@ -52,6 +52,9 @@ class WanAdapter(ModelAdapter):
     prediction_type = "flow"
     default_resolution = 480  # the pipeline's default height (its default width is 832; ours are square)
     default_lora_targets = WAN_LORA_TARGETS
+    pipeline_class = "WanPipeline"
+    options = ("num_frames", "max_sequence_length", "negative_prompt")
+    display_name = "Wan"
 
     def __init__(
         self,
@@ -83,17 +86,6 @@ class WanAdapter(ModelAdapter):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, num_frames: int = WAN_NUM_FRAMES,
-        max_sequence_length: int = WAN_MAX_SEQUENCE_LENGTH, negative_prompt: str = "", **kwargs,
-    ):
-        from diffusers import WanPipeline
-
-        pipe = WanPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, num_frames=num_frames, max_sequence_length=max_sequence_length,
-                   negative_prompt=negative_prompt)
-
-    @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "WanAdapter":
         """1 Wan block of width 16 (2 heads of 8), a 1-layer umT5 of width 32, a Wan VAE with 4
         latent channels that halves time and space; 16 text tokens; 5 frames of 32 px = 3 latent
@@ -101,17 +93,14 @@ class WanAdapter(ModelAdapter):
         from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
         from transformers import UMT5Config, UMT5EncoderModel
 
-        from ._tiny import QWEN_LATENTS_MEAN, QWEN_LATENTS_STD, tiny_t5_tokenizer
+        from ._tiny import QWEN_LATENTS_MEAN, QWEN_LATENTS_STD, tiny_t5_config, tiny_t5_tokenizer
 
         kwargs.setdefault("max_sequence_length", 16)
         kwargs.setdefault("num_frames", 5)
         torch.manual_seed(seed)
         text_width, latent_channels = 32, 4
         tokenizer = tiny_t5_tokenizer(16)
-        text_encoder = UMT5EncoderModel(UMT5Config(
-            vocab_size=len(tokenizer), d_model=text_width, d_kv=8, d_ff=2 * text_width, num_layers=1, num_heads=2,
-            relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-        ))
+        text_encoder = UMT5EncoderModel(tiny_t5_config(len(tokenizer), d_model=text_width, config_class=UMT5Config))
         transformer = WanTransformer3DModel(
             patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=latent_channels,
             out_channels=latent_channels, text_dim=text_width, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
@@ -127,23 +116,15 @@ class WanAdapter(ModelAdapter):
 
     # ---- the contract -------------------------------------------------------------------
     @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipeline.transformer
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        p = self.pipeline
-        return [m for m in (p.text_encoder, p.vae) if m is not None]
-
-    @property
     def latent_frames(self) -> int:
         return (self.num_frames - 1) // self.temporal_factor + 1
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        multiple = max(16, self.spatial_factor * self.patch_size[1])  # the pipeline asks for multiples of 16
-        if height % multiple or width % multiple:
-            raise ValueError(f"Wan frame size must be a multiple of {multiple}, got {height}x{width}")
-        c = self.pipeline.transformer.config.in_channels
-        return (c, self.latent_frames, height // self.spatial_factor, width // self.spatial_factor)
+        return self._latent_shape(
+            height, width, multiple=max(16, self.spatial_factor * self.patch_size[1]),  # the pipeline asks for multiples of 16
+            channels=self.pipeline.transformer.config.in_channels, downsample=self.spatial_factor,
+            frames=self.latent_frames, what="frame",
+        )
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
@@ -155,7 +136,7 @@ class WanAdapter(ModelAdapter):
             max_sequence_length=self.max_sequence_length,
             device=self.device,
         )
-        return PromptEmbeds({"encoder_hidden_states": pe}, {"encoder_hidden_states": neg_pe} if with_uncond else None)
+        return PromptEmbeds.named(("encoder_hidden_states",), (pe,), (neg_pe,) if with_uncond else None)
 
     def model_timestep(self, t: torch.Tensor) -> torch.Tensor:
         """Sigma -> the ``timestep`` the pipeline feeds the transformer: the scheduler's
@@ -176,24 +157,13 @@ class WanAdapter(ModelAdapter):
                 return_dict=False,
             )[0]
 
-        return guided_forward(forward, x, batch_t(t, x.shape[0], x.device), embeds, guidance_scale, self.detach_uncond)
-
-    def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return x.float() - bcast(t, x) * model_output.float()  # x0_hat = x_t - t * v
+        return self._guided(forward, x, t, embeds, guidance_scale)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents ``(B, C, T, h, w)`` -> videos ``(B, F, 3, H, W)`` fp32 in ``[0, 1]``."""
-        vae = self.pipeline.vae
-        z = latents.to(device=vae.device, dtype=vae.dtype)
-        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-        video = vae.decode(z * std + mean, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
-        return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
+        video = self.pipeline.vae.decode(denormalize_latents(self.pipeline.vae, latents), return_dict=False)[0]
+        return to_unit_range(video.permute(0, 2, 1, 3, 4))  # (B, 3, F, H, W) in [-1, 1] -> frames second
 
-    def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        """The sigmas of the pipeline's own scheduler after ``set_timesteps(num_steps)`` (what
-        ``WanPipeline`` calls), ``num_steps + 1`` values ending in 0."""
-        scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)  # fresh: no shared step state
-        scheduler.set_timesteps(num_steps, device="cpu")
-        return scheduler.sigmas.detach().to("cpu", torch.float32).clone()
+    # make_schedule: the default, the pipeline's own scheduler after set_timesteps(num_steps), what
+    # WanPipeline calls.
