@@ -21,7 +21,7 @@ import torch
 import schedulers
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.errors import ConfigError
-from diffalign.sampling.linear import Kernel, draw_noise
+from diffalign.sampling.linear import Kernel, LinearStep, sample_linear
 
 MAX_SUBSTEPS = 8  # the paper reports K robust in 2..8; more only adds cost
 
@@ -132,31 +132,20 @@ def sample_linear_dense(
     """The rollout of :func:`diffalign.sampling.sample_linear` (same noise use, same states and
     log-probs) plus the clean estimate of every state (:func:`refine_x0` with ``substeps``)."""
     check_flow(adapter, "a dense (Tweedie) rollout")
-    batch = len(embeds)
-    x = noise if noise is not None else draw_noise(adapter, batch, height, width, generator)
-    x = x.float().to(adapter.device)
-    num_steps = len(schedule) - 1
-    states, estimates = [x], []
-    log_probs = torch.zeros(batch, num_steps, dtype=torch.float32, device=adapter.device)
-    step_std = torch.zeros(num_steps, dtype=torch.float32)
-    extra = 0
-    for i in range(num_steps):
-        t = schedule[i].expand(batch).to(adapter.device)
-        t_next = schedule[i + 1].expand(batch).to(adapter.device)
-        model_output = adapter.predict(x, t, embeds, guidance_scale)
-        estimates.append(refine_x0(adapter, x, t, model_output, embeds, guidance_scale=guidance_scale, substeps=substeps))
-        extra += max(substeps - 1, 0)
-        eps = step_noise[:, i].to(adapter.device) if step_noise is not None else None
-        out = kernel.step(model_output, x, t, t_next, sde=bool(sde_mask[i]), generator=generator, noise=eps)
-        if out.log_prob is not None:
-            log_probs[:, i] = out.log_prob
-        step_std[i] = float(out.std.flatten()[0]) if bool(sde_mask[i]) else 0.0
-        x = out.prev_sample.float()
-        states.append(x)
-    estimates.append(x)  # the final state is scored on the real sample
-    images = adapter.decode(x).float().clamp(0, 1)
-    return DenseTrajectory(torch.stack(states, 1), log_probs, schedule.clone(), sde_mask.clone(), step_std,
-                           torch.stack(estimates, 1), images, extra)
+    estimates: list[torch.Tensor] = []
+    step_std = torch.zeros(len(schedule) - 1, dtype=torch.float32)
+
+    def estimate(step: LinearStep) -> None:
+        estimates.append(refine_x0(adapter, step.x, step.t, step.model_output, embeds, guidance_scale=guidance_scale,
+                                   substeps=substeps))
+        step_std[step.index] = float(step.out.std.flatten()[0]) if step.sde else 0.0
+
+    traj = sample_linear(adapter, kernel, embeds, schedule, sde_mask, guidance_scale=guidance_scale, height=height,
+                         width=width, generator=generator, noise=noise, step_noise=step_noise, on_step=estimate)
+    estimates.append(traj.latents[:, -1])  # the final state is scored on the real sample
+    extra = max(substeps - 1, 0) * len(step_std)
+    return DenseTrajectory(traj.latents, traj.log_probs, traj.timesteps, traj.sde_mask, step_std,
+                           torch.stack(estimates, 1), traj.images, extra)
 
 
 @torch.no_grad()
