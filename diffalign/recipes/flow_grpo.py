@@ -20,10 +20,10 @@ import torch
 from diffalign.config import FlowGRPOConfig
 from diffalign.recipes._clipped import accumulate_clipped, reference_kl
 from diffalign.recipes._grpo_guard import make_guard
-from diffalign.sampling import Trajectory, sample_linear
+from diffalign.sampling import Trajectory
 from diffalign.trainer import Trainer
 from diffalign.training.rewards import reward_info
-from diffalign.training.groups import gathered_group_advantages, plan_group_rollout
+from diffalign.training.groups import gathered_group_advantages, plan_group_rollout, sample_group_chunks
 
 
 class FlowGRPOTrainer(Trainer):
@@ -40,17 +40,9 @@ class FlowGRPOTrainer(Trainer):
         """Sample this process's share of the iteration's groups and score them.
 
         Returns (trajectory, embeds, prompts, global sample indices, rewards, reward info)."""
-        s = self.cfg.sampling
         plan = plan_group_rollout(self, iteration)
-        self.adapter.denoiser.eval()
         trajs, futures = [], []
-        bs = self.cfg.rollout.sample_batch_size
-        for start in range(0, plan.n_local, bs):
-            idx = slice(start, start + bs)
-            with self.autocast():
-                traj = sample_linear(self.adapter, self.kernel, plan.embeds.select(idx), plan.schedule, plan.sde_mask,
-                                     guidance_scale=s.guidance_scale, height=self.resolution, width=self.resolution,
-                                     noise=plan.noise[idx], step_noise=plan.step_noise[idx])
+        for idx, traj in sample_group_chunks(self, plan):
             trajs.append(traj)
             futures.append(self.score_async(traj.images, plan.sample_prompts[idx]))  # overlaps the next chunk
         results = [f.result() for f in futures]
