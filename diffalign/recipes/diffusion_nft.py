@@ -29,7 +29,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Optional
 
-import numpy as np
 import torch
 
 from diffalign.adapters.base import PromptEmbeds
@@ -300,14 +299,9 @@ class DiffusionNFTTrainer(Trainer):
             n_levels = level_idx.shape[1]
             batches = [slice(s, s + cfg.train.batch_size) for s in range(0, len(order), cfg.train.batch_size)]
             micro = [(b, j) for b in batches for j in range(n_levels)]
-            groups = np.array_split(np.arange(len(micro)), cfg.train.optimizer_steps_per_iteration)
-            local_terms = torch.tensor([sum(len(order[micro[m][0]]) for m in grp) for grp in groups], dtype=torch.float64)
-            global_terms = self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu() if self.accelerator.num_processes > 1 else local_terms
-            for gi, grp in enumerate(groups):
-                if global_terms[gi] == 0:
-                    continue
+            for group in self.plan_optimizer_steps([len(order[b]) for b, _ in micro]):
                 bad = False
-                for m in grp:
+                for m in group.micro:
                     b, j = micro[m]
                     rows, grows = order[b], order_global[b]
                     x0 = samples.x0[rows].to(dev).float()
@@ -318,7 +312,7 @@ class DiffusionNFTTrainer(Trainer):
                     x_t = (1 - tb) * x0 + tb * eps  # fresh noise on the forward process
                     emb = samples.embeds.select(rows.to(samples.embeds.cond[next(iter(samples.embeds.cond))].device))
                     res = batch_loss(x0, eps, t, x_t, emb, advantages[grows].to(dev))
-                    if not self.accumulate(res.per_sample.sum() / float(global_terms[gi])):
+                    if not self.accumulate(res.per_sample.sum() / group.global_terms):
                         bad = True
                         continue
                     for key in keys:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from diffalign.config import FlowGRPOConfig
@@ -104,16 +103,10 @@ class FlowGRPOTrainer(Trainer):
             n_steps = step_idx.shape[1]
             batches = [slice(s, s + cfg.train.batch_size) for s in range(0, len(order), cfg.train.batch_size)]
             micro = [(b, j) for b in batches for j in range(n_steps)]
-            groups = np.array_split(np.arange(len(micro)), cfg.train.optimizer_steps_per_iteration)
-            # Terms per optimizer step, summed over processes: the loss is their global mean.
-            local_terms = torch.tensor([sum(len(order[micro[m][0]]) for m in grp) for grp in groups], dtype=torch.float64)
-            global_terms = self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu() if self.accelerator.num_processes > 1 else local_terms
-            forwards = self.lockstep_counts([len(grp) for grp in groups])  # FSDP: the same forwards everywhere
-            for gi, grp in enumerate(groups):
-                if global_terms[gi] == 0:
-                    continue  # every process had nothing to learn from (all groups zero-std)
+            # The loss of a step is its global mean; a step with no term anywhere (all groups zero-std) is left out.
+            for group in self.plan_optimizer_steps([len(order[b]) for b, _ in micro]):
                 bad = False
-                for m in grp:
+                for m in group.micro:
                     b, j = micro[m]
                     rows = order[b]
                     steps = step_idx[b, j]
@@ -135,9 +128,9 @@ class FlowGRPOTrainer(Trainer):
                     logp, adv = step.log_prob, advantages[rows + first_local].to(dev)
                     if guard is not None:
                         logp, old_logp, adv = guard(step, old_logp, adv, steps, rows=rows, x_next=x_next)
-                    if not accumulate_clipped(self, logp, old_logp, adv, kl, algo, global_terms[gi], stats):
+                    if not accumulate_clipped(self, logp, old_logp, adv, kl, algo, group.global_terms, stats):
                         bad = True
-                for _ in range(forwards[gi] - len(grp)):
+                for _ in range(group.forwards - len(group.micro)):  # FSDP: the same forwards everywhere
                     self._idle_forward(traj, embeds, g)
                 _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)
