@@ -21,7 +21,7 @@ import torch
 import schedulers
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.errors import ConfigError
-from diffalign.sampling.linear import Kernel, LinearStep, sample_linear
+from diffalign.sampling.linear import Kernel, LinearStep, Trajectory, sample_linear
 
 MAX_SUBSTEPS = 8  # the paper reports K robust in 2..8; more only adds cost
 
@@ -66,32 +66,20 @@ def refine_x0(
 
 
 @dataclass
-class DenseTrajectory:
-    """B linear rollouts of T steps with a clean estimate of every state.
+class DenseTrajectory(Trajectory):
+    """B linear rollouts of T steps (a :class:`~diffalign.sampling.Trajectory`) with a clean
+    estimate of every state.
 
-    ``latents``: (B, T+1, *latent) fp32 — states ``x_0`` (noise) ... ``x_T`` (final sample).
-    ``log_probs``: (B, T) fp32 — log p(x_{i+1} | x_i) under the sampling policy; 0 on ODE steps.
-    ``timesteps``: (T+1,) — the schedule.
-    ``sde_mask``: (T,) bool — stochastic steps.
     ``step_std``: (T,) fp32 — transition std of each step (0 on ODE steps and on degenerate SDE
     steps such as CPS's last one, whose log-prob is 0 and which must not be trained).
     ``x0_estimates``: (B, T+1, *latent) fp32 — ``[:, i]`` the (refined) Tweedie estimate at state
     i for i < T; ``[:, T]`` the real final sample.
-    ``images``: (B, 3, H, W) fp32 in [0, 1] — decoded final samples; (B, F, 3, H, W) for video models.
     ``extra_forwards``: denoiser calls spent on refinement (``(K - 1) T`` for K >= 2, else 0).
     """
 
-    latents: torch.Tensor
-    log_probs: torch.Tensor
-    timesteps: torch.Tensor
-    sde_mask: torch.Tensor
     step_std: torch.Tensor
     x0_estimates: torch.Tensor
-    images: torch.Tensor
     extra_forwards: int
-
-    def __len__(self) -> int:
-        return self.latents.shape[0]
 
     @property
     def trainable_steps(self) -> torch.Tensor:
@@ -100,17 +88,9 @@ class DenseTrajectory:
 
     @staticmethod
     def cat(items: list["DenseTrajectory"]) -> "DenseTrajectory":
-        first = items[0]
-        return DenseTrajectory(
-            torch.cat([t.latents for t in items]),
-            torch.cat([t.log_probs for t in items]),
-            first.timesteps,
-            first.sde_mask,
-            first.step_std,
-            torch.cat([t.x0_estimates for t in items]),
-            torch.cat([t.images for t in items]),
-            sum(t.extra_forwards for t in items),
-        )
+        return DenseTrajectory(**vars(Trajectory.cat(items)), step_std=items[0].step_std,
+                               x0_estimates=torch.cat([t.x0_estimates for t in items]),
+                               extra_forwards=sum(t.extra_forwards for t in items))
 
 
 @torch.no_grad()
@@ -143,9 +123,8 @@ def sample_linear_dense(
     traj = sample_linear(adapter, kernel, embeds, schedule, sde_mask, guidance_scale=guidance_scale, height=height,
                          width=width, generator=generator, noise=noise, step_noise=step_noise, on_step=estimate)
     estimates.append(traj.latents[:, -1])  # the final state is scored on the real sample
-    extra = max(substeps - 1, 0) * len(step_std)
-    return DenseTrajectory(traj.latents, traj.log_probs, traj.timesteps, traj.sde_mask, step_std,
-                           torch.stack(estimates, 1), traj.images, extra)
+    extra = max(substeps - 1, 0) * len(step_std)  # the first substep reuses the rollout's own forward
+    return DenseTrajectory(**vars(traj), step_std=step_std, x0_estimates=torch.stack(estimates, 1), extra_forwards=extra)
 
 
 @torch.no_grad()
