@@ -38,7 +38,7 @@ from diffalign.errors import ConfigError
 from diffalign.sampling.seeded import SEED_HIGH, sample_seeded, seed_noise
 from diffalign.trainer import Trainer
 from diffalign.training.checks import SelfCheckError
-from diffalign.training.groups import gathered_group_advantages
+from diffalign.training.groups import gathered_group_advantages, sample_level_batches, shuffled_share
 from diffalign.training.rewards import reward_info
 
 OLD_ADAPTER = "old"  # name of the old / sampling policy's LoRA adapter (as in the reference)
@@ -293,12 +293,8 @@ class DiffusionNFTTrainer(Trainer):
             perm = torch.randperm(n_global, generator=self.generator)
             level_idx = draw_levels(n_global)  # (n_global, K)
             noise_seeds = torch.randint(0, SEED_HIGH, tuple(level_idx.shape), generator=self.generator)
-            mine = (perm >= first_local) & (perm < first_local + n_local) & keep[perm]
-            order_global = perm[mine]
-            order = order_global - first_local
-            n_levels = level_idx.shape[1]
-            batches = [slice(s, s + cfg.train.batch_size) for s in range(0, len(order), cfg.train.batch_size)]
-            micro = [(b, j) for b in batches for j in range(n_levels)]
+            order_global, order = shuffled_share(perm, first_local, n_local, keep)
+            micro = sample_level_batches(len(order), cfg.train.batch_size, level_idx.shape[1])
             for group in self.plan_optimizer_steps([len(order[b]) for b, _ in micro]):
                 bad = False
                 for m in group.micro:

@@ -22,7 +22,8 @@ from diffalign.recipes._grpo_guard import make_guard
 from diffalign.sampling import Trajectory
 from diffalign.trainer import Trainer
 from diffalign.training.rewards import reward_info
-from diffalign.training.groups import gathered_group_advantages, plan_group_rollout, sample_group_chunks
+from diffalign.training.groups import (gathered_group_advantages, plan_group_rollout, sample_group_chunks, sample_level_batches,
+                                       shuffled_share)
 
 
 class FlowGRPOTrainer(Trainer):
@@ -96,13 +97,9 @@ class FlowGRPOTrainer(Trainer):
             # Global shuffle and step choice (same RNG use on every process), then our share.
             perm = torch.randperm(n_global, generator=self.generator)
             step_idx_global = self.trained_steps(traj.sde_mask, n_global)  # (n_global, K)
-            mine = (perm >= first_local) & (perm < first_local + len(sample_ids)) & keep[perm]
-            order_global = perm[mine]
-            order = order_global - first_local  # local rows
+            order_global, order = shuffled_share(perm, first_local, len(sample_ids), keep)
             step_idx = step_idx_global[order_global]
-            n_steps = step_idx.shape[1]
-            batches = [slice(s, s + cfg.train.batch_size) for s in range(0, len(order), cfg.train.batch_size)]
-            micro = [(b, j) for b in batches for j in range(n_steps)]
+            micro = sample_level_batches(len(order), cfg.train.batch_size, step_idx.shape[1])
             # The loss of a step is its global mean; a step with no term anywhere (all groups zero-std) is left out.
             for group in self.plan_optimizer_steps([len(order[b]) for b, _ in micro]):
                 bad = False

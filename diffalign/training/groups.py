@@ -76,6 +76,21 @@ def sample_group_chunks(trainer, plan: GroupRollout, sampler: Callable = sample_
         yield rows, traj
 
 
+def shuffled_share(perm: torch.Tensor, first: int, n_local: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This process's kept samples in the order of a global shuffle ``perm`` (n_global,), with
+    ``first`` the global id of its first sample and ``keep`` (n_global,) bool: (global ids, local rows)."""
+    mine = (perm >= first) & (perm < first + n_local) & keep[perm]
+    order_global = perm[mine]
+    return order_global, order_global - first
+
+
+def sample_level_batches(n_rows: int, batch_size: int, levels: int) -> list[tuple[slice, int]]:
+    """Micro-batches of an update that trains every sample at ``levels`` steps (or noise levels):
+    ``(rows, j)`` for each slice of ``batch_size`` rows and each level j, batch-major."""
+    batches = [slice(s, s + batch_size) for s in range(0, n_rows, batch_size)]
+    return [(b, j) for b in batches for j in range(levels)]
+
+
 def reward_summary(rewards: torch.Tensor) -> dict[str, float]:
     """``reward_mean`` / ``reward_std`` over the finite rewards (NaN / 0 when there are too few)."""
     finite = torch.isfinite(rewards)
