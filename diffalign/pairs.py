@@ -449,7 +449,7 @@ def generate_latent_pairs(
         chunk = sample_prompts[start : start + batch_size]
         embeds = adapter.encode_prompts(chunk, with_uncond=guidance_scale > 1)
         traj = sample_linear(adapter, kernel, embeds, schedule, ode, guidance_scale=guidance_scale, height=resolution,
-                             width=resolution, generator=gen, keep_latents=False, on_step=bar.update)
+                             width=resolution, generator=gen, keep_latents=False, on_step=lambda _step: bar.update())
         latents.append(traj.latents[:, -1].float().cpu())
         scores = reward_fn(traj.images, chunk, [{} for _ in chunk])
         rewards.append(reward_models.check_reward_output("pairs.reward", scores, len(chunk)))

@@ -29,7 +29,7 @@ from diffalign.config_files import dump_config, to_dict
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.sampling import build_kernel
 from diffalign.training import checkpoints, evaluator, metrics, tracking
-from diffalign.training.backend import Backend, allow_precision
+from diffalign.training.backend import Backend, OptimizerStep, allow_precision
 from diffalign.training.checks import check_on_policy, max_log_ratio
 from diffalign.training.policy import prepare_denoiser
 from diffalign.training.rewards import RewardPool, reward_info
@@ -169,6 +169,12 @@ class Trainer:
     def lockstep_counts(self, counts: list[int]) -> list[int]:
         """Micro-batches per optimizer step every process runs (the global maximum under FSDP)."""
         return self.backend.lockstep_counts(counts)
+
+    def plan_optimizer_steps(self, terms: list[int]) -> list[OptimizerStep]:
+        """An epoch's micro-batches (``terms[m]`` loss terms each on this process) split into the
+        iteration's optimizer steps, each with its global number of terms (a collective); see
+        :meth:`~diffalign.training.backend.Backend.plan_steps`."""
+        return self.backend.plan_steps(terms)
 
     def idle_forward(self, x: torch.Tensor, t: torch.Tensor, embeds, guidance_scale: float, *, reference: bool) -> None:
         """A zero-loss training forward and backward (plus the reference forward when the loss has a

@@ -146,6 +146,23 @@ class Trajectory:
         )
 
 
+@dataclass
+class LinearStep:
+    """One step ``i`` of a linear rollout, as :func:`sample_linear` passes it to ``on_step``.
+
+    ``x``: (B, *latent) fp32 state before the step, at times ``t`` (B,); ``model_output``: the
+    adapter's prediction there; ``out``: the kernel's step from ``x`` (``out.prev_sample`` is the
+    next state); ``sde``: whether the step was stochastic.
+    """
+
+    index: int
+    x: torch.Tensor
+    t: torch.Tensor
+    model_output: torch.Tensor
+    out: StepOutput
+    sde: bool
+
+
 def draw_noise(adapter: ModelAdapter, batch_size: int, height: int, width: int, generator: Optional[torch.Generator]) -> torch.Tensor:
     """Initial noise drawn on the generator's device (CPU by default, for reproducibility across devices)."""
     shape = (batch_size, *adapter.latent_shape(height, width))
@@ -168,14 +185,16 @@ def sample_linear(
     noise: Optional[torch.Tensor] = None,
     step_noise: Optional[torch.Tensor] = None,
     keep_latents: bool = True,
-    on_step: Optional[Callable[[], None]] = None,
+    on_step: Optional[Callable[[LinearStep], None]] = None,
 ) -> Trajectory:
     """Roll out ``len(embeds)`` samples along ``schedule``; stochastic where ``sde_mask``.
 
     Noise comes from ``noise`` (initial, ``(B, *latent)``) and ``step_noise`` (``(B, T, *latent)``,
     used on SDE steps) when given — then results do not depend on how a batch is chunked or split
     across processes — else from ``generator``. With ``keep_latents=False`` only the first and
-    last states are kept (evaluation). ``on_step`` is called after every step (progress bars).
+    last states are kept (evaluation). ``on_step`` is called with every :class:`LinearStep` as it
+    is taken (the dense rollout of :mod:`diffalign.sampling.dense` estimates x0 there; progress
+    bars advance there).
     """
     batch = len(embeds)
     x = noise if noise is not None else draw_noise(adapter, batch, height, width, generator)
@@ -188,14 +207,15 @@ def sample_linear(
         t_next = schedule[i + 1].expand(batch).to(adapter.device)
         model_output = adapter.predict(x, t, embeds, guidance_scale)
         eps = step_noise[:, i].to(adapter.device) if step_noise is not None else None
-        out = kernel.step(model_output, x, t, t_next, sde=bool(sde_mask[i]), generator=generator, noise=eps)
+        sde = bool(sde_mask[i])
+        out = kernel.step(model_output, x, t, t_next, sde=sde, generator=generator, noise=eps)
+        if on_step is not None:
+            on_step(LinearStep(i, x, t, model_output, out, sde))
         if out.log_prob is not None:
             log_probs[:, i] = out.log_prob
         x = out.prev_sample.float()
         if keep_latents or i == num_steps - 1:
             states.append(x)
-        if on_step is not None:
-            on_step()
     latents = torch.stack(states, dim=1)
     images = adapter.decode(x).float().clamp(0, 1)
     return Trajectory(latents, log_probs, schedule.clone(), sde_mask.clone(), images)
@@ -232,7 +252,7 @@ def sample_images(
         embeds = adapter.encode_prompts(chunk, with_uncond=guidance_scale > 1)
         traj = sample_linear(adapter, kernel, embeds, schedule, mask, guidance_scale=guidance_scale,
                              height=resolution, width=resolution, generator=gen, keep_latents=False,
-                             on_step=None if bar is None else bar.update)
+                             on_step=None if bar is None else lambda _step: bar.update())
         out.append(traj.images.cpu())
     if bar is not None:
         bar.close()
