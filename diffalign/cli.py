@@ -19,10 +19,15 @@ EXIT_SIGTERM = 143  # 128 + SIGTERM: stopped after finishing the iteration and w
 
 
 def _cmd_train(args) -> int:
-    from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer, check_judges_trained
+    from diffalign import progress
 
-    cfg = load_config(args.config, args.overrides)
+    # torch and diffusers take seconds to import: a terminal-only bar that clears itself, so that
+    # bad input still ends in one line
+    with progress.bar(desc="loading libraries and the config", unit="", disable=not progress.interactive()):
+        from diffalign.config_files import load_config
+        from diffalign.recipes import build_trainer, check_judges_trained
+
+        cfg = load_config(args.config, args.overrides)
     check_judges_trained(cfg, args.config)
     if args.allow_config_change and not args.resume:
         raise DiffalignError("--allow-config-change only applies with --resume")
@@ -83,6 +88,11 @@ def _cmd_eval(args) -> int:
     from diffalign.export import load_trained_adapter
 
     _check_sampling_args(args)
+    args.autocast_dtype = _eval_autocast_dtype(args.mixed_precision)
+    if args.protocol == "geneval":
+        from diffalign.geneval import run_from_args
+
+        return run_from_args(args)
     prompts, what = _eval_prompt_set(args)
     models = [] if args.no_base else [("base", lambda: load_adapter(args.base))]
     for run in args.runs:
@@ -91,7 +101,6 @@ def _cmd_eval(args) -> int:
         models.append((Path(run).name, lambda run=run: load_trained_adapter(run)))
     if not models:
         raise DiffalignError("nothing to evaluate: give run directories or drop --no-base")
-    args.autocast_dtype = _eval_autocast_dtype(args.mixed_precision)
     if args.reward == "shapes_eval":
         return _eval_shapes(args, prompts, what, models)
     return _eval_other(args, prompts, models)
@@ -306,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-precision", default="auto",
                    help="auto (bf16 autocast where the CPU has AVX512-BF16 or AMX, as train.mixed_precision: auto; "
                         "the default) | bf16 | no (fp32)")
+    p.add_argument("--protocol", choices=("shapes", "geneval"), default="shapes",
+                   help="geneval: GenEval's per-task %% correct images and prompts on --metadata for each RUN_OR_MODEL "
+                        "(run directory or model id; default --base), judged by --url or --reward (docs/geneval.md)")
+    p.add_argument("--metadata", default=None, help="geneval: GenEval's evaluation_metadata.jsonl")
+    p.add_argument("--images-per-prompt", type=int, default=4, help="geneval: images per prompt (default 4, the paper's)")
+    p.add_argument("--url", default=None, help="geneval: GenEval server scoring through the remote reward")
+    p.add_argument("--out", default=None, help="geneval: write per-image results and scores to this JSON file")
     p.set_defaults(fn=_cmd_eval)
 
     p = sub.add_parser("export", help="a Hub-ready folder (weights, model card, sample grids) from a finished run")
@@ -365,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="known model families, rewards and algorithms")
     p.set_defaults(fn=_cmd_list)
+    for p in sub.choices.values():
+        p.add_argument("--quiet", action="store_true", help="no progress bars or phase lines (results and errors only)")
     return parser
 
 
@@ -377,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = list(args.overrides) + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.quiet:
+        from diffalign import progress
+
+        progress.set_quiet(True)
     try:
         return args.fn(args)
     except DiffalignError as exc:

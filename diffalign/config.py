@@ -30,6 +30,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of frozen parts and denoiser
     resolution: int = 0  # image side in pixels; 0 = the adapter's default
     revision: Optional[str] = None  # hub revision (branch, tag or commit)
+    options: dict = field(default_factory=dict)  # adapter options, e.g. {num_frames: 33} for wan (docs/models.md)
 
     def validate(self) -> None:
         check(self.resolution >= 0 and self.resolution % 8 == 0, "model.resolution", "must be 0 or a positive multiple of 8")
@@ -108,8 +109,16 @@ class PromptsConfig:
     source: Literal["shapes", "list", "file"] = "shapes"  # shapes = the ShapesWorld train/held-out split
     train: list[str] = field(default_factory=list)  # for source=list
     eval: list[str] = field(default_factory=list)  # for source=list; empty = the train prompts
-    file: Optional[str] = None  # for source=file: one prompt per line
-    eval_file: Optional[str] = None
+    # source=file: .txt (one prompt per line), .jsonl, .csv, .parquet (the `column` field), or a
+    # Hugging Face datasets folder written by save_to_disk (docs/prompts.md)
+    file: Optional[str] = None
+    eval_file: Optional[str] = None  # eval prompts from another file (same formats); else see eval_split / eval_fraction
+    column: str = "prompt"  # the text column of .jsonl / .csv / .parquet / datasets files
+    split: str = "train"  # datasets folder holding a DatasetDict: the training split
+    eval_split: Optional[str] = None  # datasets folder holding a DatasetDict: the eval split (e.g. "test")
+    # without eval_file / eval_split: hold out this fraction of the distinct prompts (a fixed random
+    # subset, seed 0) for evaluation, the rest train; 0 = evaluate on the training prompts
+    eval_fraction: float = 0.0
     families: list[str] = field(default_factory=list)  # source=shapes: restrict to these task families
     balance_families: bool = False  # source=shapes: draw training prompts family-uniformly (as GenEval's overall weighs families)
     # source=shapes: "heldout" trains on the train split and evaluates on held-out prompts;
@@ -122,6 +131,10 @@ class PromptsConfig:
             check(len(self.train) > 0, "prompts.train", "must list at least one prompt when prompts.source=list")
         if self.source == "file":
             check(self.file is not None, "prompts.file", "is required when prompts.source=file")
+        check(0 <= self.eval_fraction < 1, "prompts.eval_fraction", "must be in [0, 1)")
+        check(not (self.eval_fraction and (self.eval_file or self.eval_split)), "prompts.eval_fraction",
+              "cannot be combined with prompts.eval_file or prompts.eval_split (they already give the eval prompts)")
+        check(bool(self.column), "prompts.column", "must not be empty")
 
 
 @dataclass
@@ -246,8 +259,20 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    progress_bar: bool = True
+    progress_bar: bool = True  # tqdm bars on a terminal; elsewhere (and under --quiet) one line per phase
     report: bool = True  # write report.md with plots and sample grids at the end
+    # experiment trackers through accelerate (docs/tracking.md): tensorboard, wandb, mlflow, trackio
+    trackers: list[str] = field(default_factory=list)
+    project: str = "diffalign"  # the tracker project (W&B / trackio project, MLflow experiment)
+    run_name: Optional[str] = None  # the run's name in the trackers; None = the run directory's name
+    offline: bool = False  # W&B offline mode, MLflow file store under RUN_DIR/mlruns (TensorBoard and trackio are local anyway)
+
+    def validate(self) -> None:
+        from diffalign.training.tracking import TRACKER_MODULES
+
+        for name in self.trackers:
+            check(name in TRACKER_MODULES, "log.trackers", f"has unknown tracker {name!r} (known: {', '.join(TRACKER_MODULES)})")
+        check(bool(self.project), "log.project", "must not be empty")
 
 
 # --------------------------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def evaluate_shapes(
     t0 = time.perf_counter()
     with _autocast(autocast_dtype, torch.device(adapter.device).type):
         images = sample_images(adapter, items, num_steps=num_steps, guidance_scale=guidance_scale, resolution=resolution,
-                               seed=seed, batch_size=batch_size)
+                               seed=seed, batch_size=batch_size, progress=f"sampling {len(items)} images")
     records = shapes_records(images, items)
     meta = {"num_images": len(items), "images_per_family": images_per_family, "num_steps": num_steps,
             "guidance_scale": guidance_scale, "resolution": resolution, "seed": seed, "batch_size": batch_size,
@@ -167,13 +167,14 @@ def evaluate_adapter(
     all_prompts = [p for p in prompts for _ in range(samples_per_prompt)]
     with _autocast(autocast_dtype, torch.device(adapter.device).type):
         images = sample_images(adapter, all_prompts, num_steps=num_steps, guidance_scale=guidance_scale,
-                               resolution=resolution or adapter.default_resolution, seed=seed, batch_size=batch_size)
+                               resolution=resolution or adapter.default_resolution, seed=seed, batch_size=batch_size,
+                               progress=f"sampling {len(all_prompts)} images")
     metadata = [{} for _ in all_prompts]
-    scores = reward_models.check_reward_output(reward, fn(images, all_prompts, metadata), len(all_prompts))
+    scores = reward_models.check_reward_output(reward, reward_models.call_reward(fn, images, all_prompts, metadata), len(all_prompts))
     out = {"reward_mean": float(scores[torch.isfinite(scores)].mean())}
     out.update({k: float(v) for k, v in (getattr(fn, "last_info", None) or {}).items()})
     for label, (name, extra_fn) in extra.items():
-        s = reward_models.check_reward_output(name, extra_fn(images, all_prompts, metadata), len(all_prompts))
+        s = reward_models.check_reward_output(name, reward_models.call_reward(extra_fn, images, all_prompts, metadata), len(all_prompts))
         out[label] = float(s[torch.isfinite(s)].mean())
     return out
 

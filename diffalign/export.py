@@ -93,9 +93,10 @@ def load_trained_adapter(run_or_final: str | os.PathLike, *, device="cpu", dtype
     if not meta_file.is_file():
         raise RunDirError(f"{str(path)!r} has no final weights (no final/diffalign.json); has the run finished?")
     meta = json.loads(meta_file.read_text())
+    options = meta.get("model_options") or {}  # adapter options of the run (model.options), e.g. wan num_frames
     if meta["format"] == "full":
-        return load_adapter(str(final), family=meta.get("family", "auto"), device=device, dtype=dtype)
-    adapter = load_adapter(meta["base_model"], family=meta.get("family", "auto"), device=device, dtype=dtype)
+        return load_adapter(str(final), family=meta.get("family", "auto"), device=device, dtype=dtype, **options)
+    adapter = load_adapter(meta["base_model"], family=meta.get("family", "auto"), device=device, dtype=dtype, **options)
     try:
         adapter.pipeline.load_lora_weights(str(final))
     except Exception as exc:
@@ -230,9 +231,17 @@ def export_run(
             shutil.copy2(_regular_file(run_dir / "final" / LORA_WEIGHTS_FILE), tmp / LORA_WEIGHTS_FILE)
             pipeline_class = None
         else:
+            from diffalign import progress
+
             log(f"fusing the trained weights into {meta['base_model']} ...")
-            adapter = merged_adapter(run_dir)
-            adapter.pipeline.save_pretrained(str(tmp), safe_serialization=True)
+            # two long steps without finer progress: the bar's clock keeps ticking through them
+            with progress.bar(total=2, desc="export merged", unit="step") as bar:
+                bar.set_postfix_str("loading and fusing")
+                adapter = merged_adapter(run_dir)
+                bar.update(1)
+                bar.set_postfix_str("writing the pipeline")
+                adapter.pipeline.save_pretrained(str(tmp), safe_serialization=True)
+                bar.update(1)
             pipeline_class = type(adapter.pipeline)
             del adapter
         grids = eval_grids(run_dir, evals)

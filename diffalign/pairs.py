@@ -389,7 +389,7 @@ def generate_pairs(
     resolution = resolution or adapter.default_resolution
     expanded = [p for p in prompts for _ in range(images_per_prompt)]
     images = sample_images(adapter, expanded, num_steps=num_steps, guidance_scale=guidance_scale, resolution=resolution,
-                           seed=seed, batch_size=batch_size)
+                           seed=seed, batch_size=batch_size, progress=f"pairs: sampling {len(expanded)} images")
     rewards = []
     for start in range(0, len(expanded), batch_size):
         chunk = slice(start, start + batch_size)
@@ -434,6 +434,7 @@ def generate_latent_pairs(
     than ``tie_tolerance`` (:func:`label_pairs`; up to ``max_pairs_per_prompt`` random pairs per
     prompt, the preferred sample first or second with equal odds). Keeps the final latents."""
     import reward_models
+    from diffalign import progress
     from diffalign.sampling import build_kernel, sample_linear
 
     gen = torch.Generator("cpu").manual_seed(seed)
@@ -442,15 +443,18 @@ def generate_latent_pairs(
     schedule = adapter.make_schedule(num_steps, resolution, resolution)
     ode = torch.zeros(num_steps, dtype=torch.bool)
     latents, rewards = [], []
+    bar = progress.bar(total=len(range(0, len(sample_prompts), batch_size)) * num_steps, unit="step",
+                       desc=f"pairs: sampling {len(sample_prompts)} images")
     for start in range(0, len(sample_prompts), batch_size):
         chunk = sample_prompts[start : start + batch_size]
         embeds = adapter.encode_prompts(chunk, with_uncond=guidance_scale > 1)
         traj = sample_linear(adapter, kernel, embeds, schedule, ode, guidance_scale=guidance_scale, height=resolution,
-                             width=resolution, generator=gen, keep_latents=False)
+                             width=resolution, generator=gen, keep_latents=False, on_step=lambda _step: bar.update())
         latents.append(traj.latents[:, -1].float().cpu())
         scores = reward_fn(traj.images, chunk, [{} for _ in chunk])
         rewards.append(reward_models.check_reward_output("pairs.reward", scores, len(chunk)))
         log(f"  generated {min(start + batch_size, len(sample_prompts))}/{len(sample_prompts)} samples")
+    bar.close()
     latents_t, rewards_t = torch.cat(latents), torch.cat(rewards)
     pairs, labels = [], []
     for p in range(len(prompts)):

@@ -1,7 +1,8 @@
 """Training and evaluation prompts: which prompts a run uses, and the order it visits them in.
 
 :func:`resolve_prompts` turns ``cfg.prompts`` (ShapesWorld's split, an inline list or prompt files)
-into (train, eval) lists; :class:`PromptSampler` cycles through the train prompts in a fresh
+into (train, eval) lists; :func:`read_prompt_file` reads plain text, ``.jsonl``, ``.csv``,
+``.parquet`` and ``datasets`` folders; :class:`PromptSampler` cycles through the train prompts in a fresh
 random order every epoch, deterministic per seed, with ``state_dict`` for exact resume.
 """
 
@@ -74,18 +75,134 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
         return train, heldout
     if p.source == "list":
         return list(p.train), list(p.eval or p.train)
+    train = read_prompt_file(p.file, column=p.column, split=p.split, key="prompts.file")
+    if p.eval_file:
+        return train, read_prompt_file(p.eval_file, column=p.column, split=p.split, key="prompts.eval_file")
+    if p.eval_split:
+        if not Path(p.file).is_dir():
+            raise ConfigError("config key 'prompts.eval_split' applies to a datasets folder in prompts.file (use prompts.eval_file)")
+        return train, read_prompt_file(p.file, column=p.column, split=p.eval_split, key="prompts.eval_split")
+    if p.eval_fraction:
+        return split_eval_fraction(train, p.eval_fraction)
+    return train, train
 
-    def read(path: str, key: str) -> list[str]:
-        f = Path(path)
-        if not f.is_file():
-            raise ConfigError(f"config key '{key}': prompt file {path!r} does not exist")
+
+def split_eval_fraction(prompts: Sequence[str], fraction: float) -> tuple[list[str], list[str]]:
+    """(train, eval): a fixed random ``fraction`` of the distinct prompts (at least one, seed 0, the
+    same whatever the run's seed) is held out for evaluation; the rest, in file order, trains."""
+    distinct = list(dict.fromkeys(prompts))
+    if len(distinct) < 2:
+        raise ConfigError("config key 'prompts.eval_fraction' needs at least two distinct prompts in prompts.file")
+    n_eval = min(len(distinct) - 1, max(1, round(fraction * len(distinct))))
+    held = {distinct[i] for i in np.random.default_rng(0).permutation(len(distinct))[:n_eval]}
+    return [x for x in prompts if x not in held], [x for x in distinct if x in held]
+
+
+#: prompt file suffixes with a text column (a folder is a Hugging Face datasets folder; anything
+#: else is read as plain text, one prompt per line)
+TABLE_SUFFIXES = (".jsonl", ".csv", ".parquet")
+
+
+def read_prompt_file(path: str, *, column: str = "prompt", split: str = "train", key: str = "prompts.file") -> list[str]:
+    """The prompts of ``path``, in order: plain text (one per line, blank lines skipped), ``.jsonl``
+    (one JSON object per line), ``.csv`` (with a header row), ``.parquet``, or a folder written by
+    ``datasets``' ``save_to_disk`` (a ``DatasetDict`` is read at ``split``); for all but plain text
+    the values of ``column``. Errors are one-line ``ConfigError`` naming ``key`` and the file."""
+    f = Path(path)
+    where = f"config key '{key}': {path!r}"
+    if not f.exists():
+        raise ConfigError(f"{where} does not exist")
+    if f.is_dir():
+        values, columns = _read_datasets_folder(f, column, split, key, where)
+    elif f.suffix.lower() == ".jsonl":
+        values, columns = _read_jsonl(f, column, where)
+    elif f.suffix.lower() == ".csv":
+        values, columns = _read_csv(f, column)
+    elif f.suffix.lower() == ".parquet":
+        values, columns = _read_parquet(f, column, where)
+    else:
         lines = [line.strip() for line in f.read_text().splitlines() if line.strip()]
         if not lines:
-            raise ConfigError(f"config key '{key}': prompt file {path!r} is empty")
+            raise ConfigError(f"{where}: the prompt file is empty")
         return lines
+    if columns is not None and column not in columns:
+        raise ConfigError(f"config key 'prompts.column': column {column!r} is not in {path!r} "
+                          f"(columns: {', '.join(map(str, columns)) or 'none'})")
+    prompts = []
+    for row, value in enumerate(values, start=1):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: row {row} of column {column!r} is not text ({type(value).__name__}: {value!r:.60})")
+        if value.strip():
+            prompts.append(value.strip())
+    if not prompts:
+        raise ConfigError(f"{where}: no prompts (the file is empty or column {column!r} holds only empty text)")
+    return prompts
 
-    train = read(p.file, "prompts.file")
-    return train, read(p.eval_file, "prompts.eval_file") if p.eval_file else train
+
+def _read_jsonl(f: Path, column: str, where: str) -> tuple[list, None]:
+    """Values of ``column``, line by line (each line is checked for the key: no column list)."""
+    import json
+
+    values = []
+    for n, line in enumerate(f.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: line {n} is not JSON ({exc})") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where}: line {n} is not a JSON object")
+        if column not in obj:
+            raise ConfigError(f"config key 'prompts.column': line {n} of {str(f)!r} has no {column!r} "
+                              f"(keys: {', '.join(obj) or 'none'})")
+        values.append(obj[column])
+    return values, None
+
+
+def _read_csv(f: Path, column: str) -> tuple[list, list[str]]:
+    import csv
+
+    with f.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        columns = list(reader.fieldnames or [])
+        if column not in columns:
+            return [], columns
+        return [row[column] for row in reader], columns
+
+
+def _read_parquet(f: Path, column: str, where: str) -> tuple[list, list[str]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{where}: reading .parquet needs pyarrow (pip install pyarrow, or pip install -e '.[data]')") from None
+    try:
+        table = pq.read_table(f)
+    except Exception as exc:  # pyarrow raises its own error types for a damaged file
+        raise ConfigError(f"{where}: cannot read the parquet file ({type(exc).__name__}: {exc})") from None
+    columns = table.column_names
+    return (table.column(column).to_pylist() if column in columns else []), columns
+
+
+def _read_datasets_folder(f: Path, column: str, split: str, key: str, where: str) -> tuple[list, list[str]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{where} is a folder: reading a datasets folder needs the datasets package "
+                          "(pip install datasets, or pip install -e '.[data]')") from None
+    try:
+        data = datasets.load_from_disk(str(f))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{where} is a folder but not one written by datasets' save_to_disk ({exc})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise ConfigError(f"config key '{'prompts.eval_split' if key == 'prompts.eval_split' else 'prompts.split'}': "
+                              f"split {split!r} is not in {str(f)!r} (splits: {', '.join(data)})")
+        data = data[split]
+    elif key == "prompts.eval_split":
+        raise ConfigError(f"config key 'prompts.eval_split': {str(f)!r} holds one dataset, not a DatasetDict with splits")
+    columns = list(data.column_names)
+    return (data[column] if column in columns else []), columns
 
 
 def resolve_probe_prompts(cfg: RunConfig) -> list[str]:

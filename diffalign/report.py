@@ -1,4 +1,5 @@
-"""``report.md`` for a run directory: reward curve, eval before/after, sample grids.
+"""``report.md`` for a run directory: reward curve, eval before/after, sample grids (for video
+models, frame strips: one row per video, frames left to right).
 
 With ShapesWorld prompts the trainer keeps every evaluation's per-image records
 (``eval_records/iter-N.json``); the report then shows the held-out table with 95 % bootstrap
@@ -135,7 +136,7 @@ def write_report(run_dir: str | Path) -> Path:
             if isinstance(a, (int, float)) and isinstance(b, (int, float)):
                 lines += [f"Training reward on the held-out images: {a:.3f} -> {b:.3f} ({b - a:+.3f}).", ""]
         else:
-            keys = [k for k in last if k.startswith("eval/") and k not in ("eval/seconds", "eval/num_images")
+            keys = [k for k in last if k.startswith("eval/") and k not in ("eval/seconds", "eval/num_images", "eval/frames")
                     and not is_bound_key(k) and isinstance(last[k], (int, float))]
             lines += [f"## Evaluation: iteration {first['iteration']} vs {last['iteration']}", "",
                       "| metric | before | after | change |", "|---|---:|---:|---:|"]
@@ -146,14 +147,19 @@ def write_report(run_dir: str | Path) -> Path:
             lines.append("")
         grid_a = run_dir / "samples" / f"eval-iter-{first['iteration']:06d}.png"
         grid_b = run_dir / "samples" / f"eval-iter-{last['iteration']:06d}.png"
+        frames = last.get("eval/frames")
         if grid_a.exists() and grid_b.exists() and grid_a != grid_b:
-            lines += ["## Samples on eval prompts (same seeds)", "",
-                      f"Before (iteration {first['iteration']}):", "", f"![before](samples/{grid_a.name})", "",
+            lines += ["## Samples on eval prompts (same seeds)", ""]
+            if frames:
+                lines += [f"Videos of {frames} frames: one row per video, up to 8 frames evenly spaced from the first "
+                          "to the last, left to right.", ""]
+            lines += [f"Before (iteration {first['iteration']}):", "", f"![before](samples/{grid_a.name})", "",
                       f"After (iteration {last['iteration']}):", "", f"![after](samples/{grid_b.name})", ""]
             prompts_file = run_dir / "samples" / "eval-prompts.txt"
             if prompts_file.exists():
                 names = prompts_file.read_text().splitlines()
-                lines += ["<details><summary>Prompts of the grids (row by row, 8 per row)</summary>", ""]
+                layout = "one video per row" if frames else "row by row, 8 per row"
+                lines += [f"<details><summary>Prompts of the grids ({layout})</summary>", ""]
                 lines += [f"{i + 1}. {p}" for i, p in enumerate(names)] + ["", "</details>", ""]
     path = run_dir / "report.md"
     runs.atomic_write_text(path, "\n".join(lines) + "\n")

@@ -12,6 +12,7 @@ advantages -> update) using pure functions from :mod:`diffalign.algorithms` and 
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 import threading
@@ -26,7 +27,7 @@ from diffalign import distributed, runs
 from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
-from diffalign.config_files import dump_config
+from diffalign.config_files import dump_config, to_dict
 from diffalign.errors import DiffalignError, Interrupted, RewardError
 
 
@@ -34,8 +35,8 @@ class RewardFailures(RewardError):
     """More reward calls failed than ``reward.max_failures`` allows."""
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.sampling import build_kernel
-from diffalign.training import checkpoints, evaluator, metrics
-from diffalign.training.backend import Backend, allow_precision
+from diffalign.training import checkpoints, evaluator, metrics, tracking
+from diffalign.training.backend import Backend, OptimizerStep, allow_precision
 from diffalign.training.checks import check_on_policy, max_log_ratio
 from diffalign.training.policy import prepare_denoiser
 from diffalign.training.rewards import RewardPool, reward_info
@@ -76,17 +77,26 @@ class Trainer:
         # Validate everything that needs no model before touching the run directory.
         self.train_prompts, self.eval_prompts = resolve_prompts(cfg)
         self.probe_prompts = resolve_probe_prompts(cfg)
+        tracking.check_trackers(cfg.log.trackers)
         self.reward_fn = reward_models.build(cfg.reward.name, device="cpu", **cfg.reward.kwargs)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.mixed_precision = cfg.train.resolved_mixed_precision(device)
         allow_precision(self.mixed_precision)
-        self.accelerator = Accelerator(mixed_precision=self.mixed_precision, cpu=device.type == "cpu")
+        self.accelerator = Accelerator(mixed_precision=self.mixed_precision, cpu=device.type == "cpu",
+                                       log_with=tracking.log_with(cfg) or None)
         runs.check_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)  # every process: same verdict
         if self.resume:  # before the model loads: a changed setup is a one-line error
             checkpoints.check_resume_config(self.run_dir, cfg, self.allow_config_change)
         self.device = self.accelerator.device
         set_seed(cfg.seed)  # same on every process: identical initial (LoRA) weights
-        self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device, dtype=DTYPES[cfg.model.dtype])
+        from diffalign import progress
+
+        # no finer progress inside diffusers' loading: the bar's clock keeps ticking through it (on a
+        # terminal only, and cleared after: a config error found later still ends in one line)
+        with progress.bar(desc=f"loading {cfg.model.id}", unit="",
+                          disable=not (self.accelerator.is_main_process and progress.interactive())):
+            self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device,
+                                                      dtype=DTYPES[cfg.model.dtype], **cfg.model.options)
         self.resolution = cfg.model.resolution or self.adapter.default_resolution
         if self.device.type != "cpu" and cfg.reward.name:
             # rebuild on the accelerator when it has one (rewards take a device argument)
@@ -111,6 +121,11 @@ class Trainer:
             self._saved_iteration = self.start_iteration if self._resumed_from_checkpoint else None
         elif self.accelerator.is_main_process:
             runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
+            # the prompts as resolved at start: a prompt file may change after the run
+            runs.atomic_write_text(self.run_dir / "prompts.json",
+                                   json.dumps({"train": self.train_prompts, "eval": self.eval_prompts}, indent=0) + "\n")
+        self.tracking = tracking.Tracking(self.accelerator, cfg)
+        self.tracking.start(to_dict(cfg))
 
     def _setup_trainable(self) -> None:
         """LoRA / full fine-tuning and the reference (:mod:`~diffalign.training.policy`), then the
@@ -144,7 +159,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
-        """Call the reward, validate the output (shape) and return (rewards (B,), info)."""
+        """Call the reward, validate the output (shape) and return (rewards (B,), info). Videos
+        ``(B, F, 3, H, W)`` get the mean of the per-frame rewards (:func:`reward_models.call_reward`)."""
         metadata = metadata if metadata is not None else [{} for _ in prompts]
         value = self._call_reward(images, prompts, metadata)
         rewards = reward_models.check_reward_output(self.cfg.reward.name, value, len(prompts))
@@ -157,7 +173,7 @@ class Trainer:
         while True:
             before = getattr(self.reward_fn, "transient_retries", 0)
             try:
-                return self.reward_fn(images, prompts, metadata)
+                return reward_models.call_reward(self.reward_fn, images, prompts, metadata)
             except RewardError as exc:
                 failures = self.stats["reward_failures"] = self.stats.get("reward_failures", 0) + 1
                 if failures > self.cfg.reward.max_failures:
@@ -186,6 +202,12 @@ class Trainer:
     def lockstep_counts(self, counts: list[int]) -> list[int]:
         """Micro-batches per optimizer step every process runs (the global maximum under FSDP)."""
         return self.backend.lockstep_counts(counts)
+
+    def plan_optimizer_steps(self, terms: list[int]) -> list[OptimizerStep]:
+        """An epoch's micro-batches (``terms[m]`` loss terms each on this process) split into the
+        iteration's optimizer steps, each with its global number of terms (a collective); see
+        :meth:`~diffalign.training.backend.Backend.plan_steps`."""
+        return self.backend.plan_steps(terms)
 
     def idle_forward(self, x: torch.Tensor, t: torch.Tensor, embeds, guidance_scale: float, *, reference: bool) -> None:
         """A zero-loss training forward and backward (plus the reference forward when the loss has a
@@ -246,8 +268,17 @@ class Trainer:
         pass
 
     def write_metrics(self, record: dict) -> None:
+        """Append ``record`` to metrics.jsonl and send it to the trackers (main process)."""
         if self.accelerator.is_main_process and record:
             self.metrics.write(record)
+            step = int(record.get("iteration", 0))
+            self.tracking.log(record, step)
+            if record.get("eval"):
+                from diffalign.evaluation import is_bound_key
+
+                rows = [[k[5:], float(v), record.get(f"{k}_lo"), record.get(f"{k}_hi")] for k, v in record.items()
+                        if k.startswith("eval/") and isinstance(v, (int, float)) and not is_bound_key(k)]
+                self.tracking.log_table("eval/table", ["metric", "value", "lo", "hi"], rows, step)
 
     def save_checkpoint(self, next_iteration: int) -> None:
         checkpoints.save_checkpoint(self, next_iteration)
@@ -308,6 +339,10 @@ class Trainer:
             signum = int(self.accelerator.reduce(flag, reduction="max").item())
         return signum or None
 
+    def after_training(self) -> None:
+        """Called once after the final evaluation, export and report, while the trackers are
+        still open (a recipe adds its own pictures to the report here)."""
+
     def print_header(self) -> None:
         d = self.cfg.derived(self.accelerator.num_processes)
         n_train = sum(p.numel() for p in self.trainable)
@@ -318,7 +353,7 @@ class Trainer:
 
     def train(self) -> dict:
         """Run to ``max_iterations``; returns the last eval record (or {})."""
-        from tqdm.auto import tqdm
+        from diffalign import progress
 
         self.setup()
         self.print_header()
@@ -327,9 +362,11 @@ class Trainer:
             self.log(f"  note: eval.samples_per_prompt={cfg.eval.samples_per_prompt} does not apply to ShapesWorld prompts; "
                      f"the evaluation samples eval.images_per_family={cfg.eval.images_per_family} images per family")
         with self._stop_on_signals():
-            return self._train_loop(tqdm)
+            return self._train_loop()
 
-    def _train_loop(self, tqdm) -> dict:
+    def _train_loop(self) -> dict:
+        from diffalign import progress
+
         cfg = self.cfg
         last_eval: dict = {}
         try:
@@ -340,14 +377,20 @@ class Trainer:
             signum = self._stop_requested()
             if signum is not None:  # nothing trained yet: no checkpoint, a resume starts over
                 raise Interrupted(signum, self.start_iteration, str(self.run_dir), checkpoint=self._saved_iteration is not None)
-            bar = tqdm(range(self.start_iteration, cfg.max_iterations), initial=self.start_iteration, total=cfg.max_iterations,
-                       desc="iterations", disable=not (cfg.log.progress_bar and self.accelerator.is_main_process), file=sys.stderr)
-            for it in bar:
+            bar = progress.bar(total=cfg.max_iterations, desc="iterations", leave=True,
+                               disable=not (cfg.log.progress_bar and self.accelerator.is_main_process))
+            bar.update(self.start_iteration)
+            for it in range(self.start_iteration, cfg.max_iterations):
                 t0 = time.perf_counter()
                 record = self._guarded_iteration(it)
                 record = {"iteration": it, **record, "seconds": time.perf_counter() - t0, **{k: v for k, v in self.stats.items()}}
                 self.write_metrics(record)
-                bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}", loss=f"{record.get('loss', float('nan')):.4f}")
+                bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}", loss=f"{record.get('loss', float('nan')):.4f}",
+                                refresh=False)
+                bar.update(1)
+                if not (progress.interactive() or progress.is_quiet()) and cfg.log.progress_bar:
+                    self.log(f"  iteration {it + 1}/{cfg.max_iterations}: reward {record.get('reward_mean', float('nan')):.3f}, "
+                             f"{record['seconds']:.1f} s")
                 done = it + 1
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.max_iterations:
                     last_eval = self.evaluate(done)
@@ -367,12 +410,17 @@ class Trainer:
             last_eval = self.evaluate(final_iteration, probe=True)
             self.write_metrics(last_eval)
             self.log("  eval after training: " + metrics.format_eval(last_eval))
+            if self.accelerator.is_main_process and cfg.log.progress_bar:
+                progress.phase("  writing final/" + (" and report.md" if cfg.log.report else "") + " ...")
             self.save_final(final_iteration)
             if cfg.log.report and self.accelerator.is_main_process:
                 from diffalign.report import write_report
 
                 write_report(self.run_dir)
+            self.after_training()
         finally:
             if self.reward_pool is not None:
                 self.reward_pool.shutdown()
+            if getattr(self, "tracking", None) is not None:
+                self.tracking.finish()
         return last_eval

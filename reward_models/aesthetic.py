@@ -18,7 +18,6 @@ file, the one DDPO and many others download; the GitHub file itself is not on th
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
@@ -28,7 +27,8 @@ from torch import nn
 from diffalign.errors import RewardError
 from reward_models.base import check_images, register
 from reward_models.clip_score import ClipImageTransform
-from reward_models.loading import first_line, load_state_dict, looks_like_path, parse_dtype, pooled_output, resolve_weights_file
+from reward_models.loading import (check_batch_size, components_dtype, first_line, frozen, hub_id_or_folder, load_state_dict,
+                                   parse_dtype, pooled_output, processor_config_or_none, resolve_weights_file)
 
 DEFAULT_AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
 DEFAULT_AESTHETIC_HEAD_REPO = "camenduru/improved-aesthetic-predictor"
@@ -117,18 +117,14 @@ class AestheticScore:
         """Wrap a built ``CLIPModel`` or ``CLIPVisionModelWithProjection`` and head (moved and frozen
         in place). ``dtype=None`` keeps the CLIP model's dtype."""
         self = cls.__new__(cls)
-        torch_dtype = parse_dtype(dtype) if dtype is not None else next(clip_model.parameters()).dtype
-        self._setup(clip_model, head, image_processor_config, device, torch_dtype, batch_size)
+        self._setup(clip_model, head, image_processor_config, device, components_dtype(clip_model, dtype), batch_size)
         self.model_id = type(clip_model).__name__
         return self
 
     @staticmethod
     def _load_vision(model: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any] | None]:
-        if looks_like_path(model) and not os.path.isdir(os.path.expanduser(model)):
-            raise RewardError(f"aesthetic: CLIP model folder {model!r} does not exist")
-        path = os.path.expanduser(model) if looks_like_path(model) else model
+        path = hub_id_or_folder("aesthetic", "CLIP model", model)
         from transformers import AutoConfig, CLIPVisionModelWithProjection  # lazy: transformers is slow to import
-        from transformers.image_processing_utils import ImageProcessingMixin
         from transformers.utils import logging as hf_logging
 
         try:
@@ -154,11 +150,7 @@ class AestheticScore:
         broken = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
         if broken:
             raise RewardError(f"aesthetic: CLIP model {model!r} lacks or mis-sizes weights {broken[:3]}")
-        try:
-            processor_config, _ = ImageProcessingMixin.get_image_processor_dict(path)
-        except (OSError, ValueError):  # no preprocessor_config.json: CLIP's defaults apply
-            processor_config = None
-        return vision, processor_config
+        return vision, processor_config_or_none(path)
 
     def _setup(
         self,
@@ -169,8 +161,7 @@ class AestheticScore:
         dtype: torch.dtype,
         batch_size: int,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise RewardError(f"aesthetic: batch_size must be a positive integer, got {batch_size!r}")
+        check_batch_size("aesthetic", batch_size)
         config = clip_model.config  # CLIPConfig (full model) or CLIPVisionConfig (vision tower only)
         embed_dim = getattr(config, "projection_dim", None)
         head_in = next((m.in_features for m in head.modules() if isinstance(m, nn.Linear)), None)
@@ -181,8 +172,8 @@ class AestheticScore:
         image_size = int(getattr(config, "vision_config", config).image_size)
         self.device = torch.device(device if device is not None else "cpu")
         self.dtype = dtype
-        self.model = clip_model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
-        self.head = head.to(device=self.device, dtype=torch.float32).eval().requires_grad_(False)
+        self.model = frozen(clip_model, self.device, dtype)
+        self.head = frozen(head, self.device, torch.float32)
         self.transform = ClipImageTransform.from_processor_config(processor_config, image_size)
         self.batch_size = batch_size
         self.last_info: dict[str, float] = {}

@@ -10,6 +10,12 @@ and the result is a float32 tensor of shape ``(B,)`` on the CPU or the images' d
 Rewards may additionally expose ``last_info: dict[str, float]`` after each call (extra
 scalars to log, e.g. per-component values or per-family accuracy).
 
+**Videos** (video models such as Wan decode to ``(B, F, 3, H, W)``, frames second) follow one
+rule, applied by :func:`call_reward` wherever the trainer and the evaluation score samples: an
+image reward scores every frame with the video's prompt and metadata, and the video's reward is
+the **mean over its F frames**. A reward that judges a video as a whole (motion, consistency)
+sets the class attribute ``video = True`` and receives the ``(B, F, 3, H, W)`` tensor unchanged.
+
 Rewards are found by name in an explicit registry (``@register("name")``) or by dotted path
 (``"package.module:factory"`` or ``"package.module.factory"``). Heavy dependencies are imported
 lazily inside the factories; every factory takes a ``device`` keyword instead of calling
@@ -87,6 +93,26 @@ def build(name: str, **kwargs: Any) -> RewardFn:
         return factory(**kwargs)
     except TypeError as exc:
         raise RewardError(f"reward {name!r}: bad arguments {sorted(kwargs)}: {exc}") from None
+
+
+def is_video_reward(reward) -> bool:
+    """Whether ``reward`` takes whole videos ``(B, F, 3, H, W)`` (attribute ``video = True``)."""
+    return bool(getattr(reward, "video", False))
+
+
+def call_reward(reward: RewardFn, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
+    """``reward(images, prompts, metadata)`` with the video rule of the module docstring: for
+    videos ``(B, F, 3, H, W)`` and an image reward, the mean of the per-frame rewards ``(B,)``.
+    The per-frame ``last_info`` (if any) stays on the reward as it set it."""
+    if images.ndim != 5 or is_video_reward(reward):
+        return reward(images, prompts, metadata)
+    b, f = images.shape[:2]
+    frame_prompts = [p for p in prompts for _ in range(f)]  # video-major: frames of video 0, then video 1, ...
+    frame_metadata = [m for m in metadata for _ in range(f)]
+    value = reward(images.flatten(0, 1), frame_prompts, frame_metadata)
+    if not isinstance(value, torch.Tensor) or value.shape != (b * f,):
+        return value  # check_reward_output reports the wrong type / shape
+    return value.float().view(b, f).mean(dim=1)
 
 
 def check_reward_output(name: str, value: Any, batch_size: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ _MODULES = [
     "reward_models.remote",
     "reward_models.drm",
     "reward_models.spm",
+    "reward_models.video",
 ]
 
 for _name in _MODULES:

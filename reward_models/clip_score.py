@@ -21,7 +21,6 @@ backpropagation.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,7 +29,8 @@ import torch.nn.functional as F
 
 from diffalign.errors import RewardError
 from reward_models.base import check_images, register
-from reward_models.loading import first_line, looks_like_path, parse_dtype, pooled_output
+from reward_models.loading import (check_batch_size, components_dtype, first_line, frozen, hub_id_or_folder, parse_dtype,
+                                   pooled_output, processor_config_or_none)
 
 DEFAULT_CLIP_MODEL = "openai/clip-vit-large-patch14"
 DEFAULT_SCALE = 100.0  # torchmetrics' CLIPScore weight; Hessel et al. use 2.5
@@ -159,29 +159,22 @@ class ClipScore:
         ``dtype=None`` keeps the model's own dtype. The model is moved, set to eval and frozen in place.
         """
         self = cls.__new__(cls)
-        torch_dtype = parse_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
-        self._setup(model, tokenizer, image_processor_config, device, torch_dtype, batch_size, scale, clip_negative)
+        self._setup(model, tokenizer, image_processor_config, device, components_dtype(model, dtype), batch_size, scale,
+                    clip_negative)
         self.model_id = type(model).__name__
         return self
 
     @staticmethod
     def _load(model: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, dict[str, Any] | None]:
-        if looks_like_path(model) and not os.path.isdir(os.path.expanduser(model)):
-            raise RewardError(f"clip_score: model folder {model!r} does not exist")
-        path = os.path.expanduser(model) if looks_like_path(model) else model
+        path = hub_id_or_folder("clip_score", "model", model)
         from transformers import AutoTokenizer, CLIPModel  # lazy: transformers takes seconds to import
-        from transformers.image_processing_utils import ImageProcessingMixin
 
         try:
             clip_model = CLIPModel.from_pretrained(path, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as exc:  # OSError (offline, missing files), ValueError (bad id / config), ...
             raise RewardError(f"clip_score: cannot load CLIP model {model!r}: {first_line(exc)}") from None
-        try:
-            processor_config, _ = ImageProcessingMixin.get_image_processor_dict(path)
-        except (OSError, ValueError):  # no preprocessor_config.json: CLIP's defaults apply
-            processor_config = None
-        return clip_model, tokenizer, processor_config
+        return clip_model, tokenizer, processor_config_or_none(path)
 
     def _setup(
         self,
@@ -194,19 +187,25 @@ class ClipScore:
         scale: float,
         clip_negative: bool,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise RewardError(f"clip_score: batch_size must be a positive integer, got {batch_size!r}")
-        self.device = torch.device(device if device is not None else "cpu")
-        self.dtype = dtype
-        self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
-        self.tokenizer = tokenizer
+        check_batch_size("clip_score", batch_size)
         image_size = int(model.config.vision_config.image_size)
-        self.transform = ClipImageTransform.from_processor_config(processor_config, image_size)
+        transform = ClipImageTransform.from_processor_config(processor_config, image_size)
+        self._setup_scoring(model, tokenizer, transform, device, dtype, batch_size)
         # Prompts longer than the text encoder's positions are truncated (77 tokens for OpenAI CLIP).
         self.max_length = min(int(tokenizer.model_max_length), int(model.config.text_config.max_position_embeddings))
-        self.batch_size = batch_size
         self.scale = float(scale)
         self.clip_negative = bool(clip_negative)
+
+    def _setup_scoring(self, model: torch.nn.Module, tokenizer: Any, transform: "ClipImageTransform",
+                       device: str | torch.device | None, dtype: torch.dtype, batch_size: int) -> None:
+        """What scoring reads in every CLIP-like reward (the subclasses too): the model frozen on
+        ``device`` (None: the CPU) in ``dtype``, its tokenizer and image transform, the batch size."""
+        self.device = torch.device(device if device is not None else "cpu")
+        self.dtype = dtype
+        self.model = frozen(model, self.device, dtype)
+        self.tokenizer = tokenizer
+        self.transform = transform
+        self.batch_size = batch_size
         self.last_info: dict[str, float] = {}
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ Built from a list of component specs, e.g. in YAML::
 Each component is built with ``reward_models.build`` and called on the same inputs. After each
 call ``last_info`` holds ``"reward/<label>"``: the component's batch mean (unweighted), and each
 of the component's own ``last_info`` entries as ``"reward/<label>/<key>"``. ``label`` defaults
-to the component's name and must be unique.
+to the component's name and must be unique. On videos ``(B, F, 3, H, W)`` every component is
+called through :func:`~reward_models.base.call_reward`: image rewards give their mean over
+frames, video rewards (``temporal_consistency``) see the whole videos.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from diffalign.errors import RewardError
-from reward_models.base import RewardFn, build, check_reward_output, register
+from reward_models.base import RewardFn, build, call_reward, check_reward_output, register
 
 _SPEC_KEYS = {"name", "weight", "kwargs", "label"}
 
@@ -63,6 +65,8 @@ def _parse_spec(index: int, spec: Any) -> tuple[str, str, float, dict[str, Any]]
 class WeightedSum:
     """Calls every component on the same batch and returns the weighted sum, float32 ``(B,)`` on CPU."""
 
+    video = True  # takes videos as they are and applies the frame rule per component
+
     def __init__(self, components: Sequence[Component]) -> None:
         self.components = list(components)
         self.last_info: dict[str, float] = {}
@@ -72,7 +76,7 @@ class WeightedSum:
         total = torch.zeros(batch_size, dtype=torch.float32)
         info: dict[str, float] = {}
         for component in self.components:
-            value = check_reward_output(component.name, component.reward(images, prompts, metadata), batch_size)
+            value = check_reward_output(component.name, call_reward(component.reward, images, prompts, metadata), batch_size)
             total += component.weight * value
             info[f"reward/{component.label}"] = value.mean().item() if batch_size else math.nan
             for key, extra in (getattr(component.reward, "last_info", None) or {}).items():

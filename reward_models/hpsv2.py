@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from diffalign.errors import RewardError
 from reward_models.base import register
 from reward_models.clip_score import ClipImageTransform, ClipScore
-from reward_models.loading import first_line, parse_dtype, resolve_weights_file
+from reward_models.loading import check_batch_size, components_dtype, first_line, parse_dtype, resolve_weights_file
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"2.0": "HPS_v2_compressed.pt", "2.1": "HPS_v2.1_compressed.pt"}
@@ -135,25 +135,19 @@ class HPSv2(ClipScore):
     ) -> "HPSv2":
         """Wrap a built open_clip ``CLIP`` model and its tokenizer (moved and frozen in place)."""
         self = cls.__new__(cls)
-        torch_dtype = parse_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
-        self._setup_open_clip(model, tokenizer, device, torch_dtype, batch_size)
+        self._setup_open_clip(model, tokenizer, device, components_dtype(model, dtype), batch_size)
         self.model_id = type(model).__name__
         return self
 
     def _setup_open_clip(
         self, model: torch.nn.Module, tokenizer: Any, device: Any, dtype: torch.dtype, batch_size: int
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise RewardError(f"{self.name}: batch_size must be a positive integer, got {batch_size!r}")
-        self.device = torch.device(device if device is not None else "cpu")
-        self.dtype = dtype
-        self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
-        self.tokenizer = tokenizer  # open_clip tokenizers pad / truncate to the context length themselves
-        self.transform = transform_from_open_clip(self.name, model.visual.preprocess_cfg)
-        self.batch_size = batch_size
+        check_batch_size(self.name, batch_size)
+        transform = transform_from_open_clip(self.name, model.visual.preprocess_cfg)
+        # open_clip tokenizers pad / truncate to the context length themselves
+        self._setup_scoring(model, tokenizer, transform, device, dtype, batch_size)
         self.scale = 1.0  # HPS is the plain cosine
         self.clip_negative = False
-        self.last_info: dict[str, float] = {}
 
     def image_embeddings(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Preprocessed pixels ``(B, 3, h, w)`` -> unit-norm float32 embeddings ``(B, D)``."""

@@ -1,5 +1,6 @@
-"""Loading code the reward models share: dtype arguments, local path or hub id, one-line errors,
-and a weights file that is a local path or one file in a hub repository.
+"""Loading code the reward models share: dtype and batch-size arguments, local path or hub id,
+one-line errors, freezing a loaded model on its device, and a weights file that is a local path
+or one file in a hub repository.
 
 The weights-file helpers serve rewards whose weights are a single checkpoint file rather than a
 ``save_pretrained`` folder (the LAION aesthetic head, HPSv2). Errors are one-line ``RewardError``s that name the
@@ -33,6 +34,45 @@ def looks_like_path(model: str) -> bool:
     """True when ``model`` names a local folder or file rather than a hub id."""
     # Hub ids are "name" or "namespace/name"; anything else is meant as a local folder.
     return os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1 or "\\" in model
+
+
+def hub_id_or_folder(reward: str, what: str, name: str) -> str:
+    """A hub id as is, or an existing local folder (expanded); a missing folder is a RewardError
+    naming ``what`` ("model", "processor", ...)."""
+    if not looks_like_path(name):
+        return name
+    path = os.path.expanduser(name)
+    if not os.path.isdir(path):
+        raise RewardError(f"{reward}: {what} folder {name!r} does not exist")
+    return path
+
+
+def processor_config_or_none(path: str) -> dict[str, Any] | None:
+    """The ``preprocessor_config.json`` of a model folder or hub id; None when there is none (then
+    CLIP's defaults apply)."""
+    from transformers.image_processing_utils import ImageProcessingMixin  # lazy: transformers is slow to import
+
+    try:
+        processor_config, _ = ImageProcessingMixin.get_image_processor_dict(path)
+    except (OSError, ValueError):
+        return None
+    return processor_config
+
+
+def check_batch_size(reward: str, batch_size: Any) -> None:
+    """A reward's ``batch_size`` argument must be a positive int (a bool is refused)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise RewardError(f"{reward}: batch_size must be a positive integer, got {batch_size!r}")
+
+
+def components_dtype(model: torch.nn.Module, dtype: str | torch.dtype | None) -> torch.dtype:
+    """The dtype of a reward built ``from_components``: the parsed argument, or (None) the model's own."""
+    return parse_dtype(dtype) if dtype is not None else next(model.parameters()).dtype
+
+
+def frozen(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` moved to ``device`` and ``dtype`` in place, in eval mode, with no gradients."""
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def first_line(exc: BaseException) -> str:

@@ -14,7 +14,6 @@ preprocessing, batching and prompt deduplication.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
@@ -22,20 +21,16 @@ import torch
 from diffalign.errors import RewardError
 from reward_models.base import register
 from reward_models.clip_score import ClipScore
-from reward_models.loading import first_line, looks_like_path, parse_dtype
+from reward_models.loading import first_line, hub_id_or_folder, parse_dtype
 
 DEFAULT_PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 DEFAULT_PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"  # tokenizer + preprocessor_config.json
 
 
-def _hub_or_folder(reward: str, what: str, name: str) -> str:
-    """A hub id as is, or an existing local folder (expanded); a missing folder is a RewardError."""
-    if not looks_like_path(name):
-        return name
-    path = os.path.expanduser(name)
-    if not os.path.isdir(path):
-        raise RewardError(f"{reward}: {what} folder {name!r} does not exist")
-    return path
+def learned_scale(model: torch.nn.Module) -> float:
+    """``exp(t)`` of a CLIP model's ``logit_scale`` ``t``, read in fp32: bf16 would round
+    exp(t) = 100 to 100 +- 0.4, so it is read before any cast of the model."""
+    return float(model.logit_scale.detach().float().exp())
 
 
 @register("pickscore")
@@ -58,9 +53,7 @@ class PickScore(ClipScore):
     ) -> None:
         torch_dtype = parse_dtype(dtype)
         clip_model, tokenizer, processor_config = self._load_pickscore(str(model), str(processor), torch_dtype)
-        # The learned temperature is read before any cast: bf16 would round exp(t) = 100 to 100 +- 0.4.
-        scale = float(clip_model.logit_scale.detach().float().exp())
-        self._setup(clip_model, tokenizer, processor_config, device, torch_dtype, batch_size, scale, False)
+        self._setup(clip_model, tokenizer, processor_config, device, torch_dtype, batch_size, learned_scale(clip_model), False)
         self.model_id = str(model)
 
     @classmethod
@@ -74,13 +67,12 @@ class PickScore(ClipScore):
         batch_size: int = 32,
     ) -> "PickScore":
         """Wrap an already-built ``CLIPModel``; the scale is its ``exp(logit_scale)``."""
-        scale = float(model.logit_scale.detach().float().exp())
-        return super().from_components(model, tokenizer, image_processor_config, device, dtype, batch_size, scale)
+        return super().from_components(model, tokenizer, image_processor_config, device, dtype, batch_size, learned_scale(model))
 
     @staticmethod
     def _load_pickscore(model: str, processor: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, dict | None]:
-        model_path = _hub_or_folder("pickscore", "model", model)
-        processor_path = _hub_or_folder("pickscore", "processor", processor)
+        model_path = hub_id_or_folder("pickscore", "model", model)
+        processor_path = hub_id_or_folder("pickscore", "processor", processor)
         from transformers import AutoTokenizer, CLIPModel  # lazy: transformers takes seconds to import
         from transformers.image_processing_utils import ImageProcessingMixin
 

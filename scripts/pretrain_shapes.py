@@ -24,6 +24,7 @@ import argparse
 import copy
 import json
 import shutil
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,9 +35,9 @@ import torch
 try:  # run from a source checkout without `pip install -e .`
     import diffalign  # noqa: F401
 except ImportError:
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from diffalign import progress  # noqa: E402 (after the source-checkout path)
 
 
 def parse_args(argv=None):
@@ -72,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-steps", type=int, default=20, help="ODE steps for evaluation sampling")
     p.add_argument("--cfg", type=float, default=None, help="CFG scale for evaluation (default: the pipeline's)")
     p.add_argument("--no-eval", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
 
@@ -117,7 +119,7 @@ def evaluate(pipe, prompts, per_family: int, steps: int, cfg: float, seed: int =
         eval_prompts += [ps[i % len(ps)] for i in range(per_family)]
     gen = torch.Generator().manual_seed(seed)
     scores = []
-    for i in range(0, len(eval_prompts), batch):
+    for i in progress.bar(range(0, len(eval_prompts), batch), desc=f"ShapesEval on {len(eval_prompts)} images", unit="batch"):
         chunk = eval_prompts[i : i + batch]
         images = pipe(chunk, num_inference_steps=steps, guidance_scale=cfg, generator=gen, output_type="pt").images
         scores.append(reward(images, chunk, [{} for _ in chunk]).float())
@@ -223,6 +225,7 @@ def save(pipe, unet_weights, out: str) -> None:
 # ---- main -----------------------------------------------------------------------------------
 def main(argv=None) -> None:
     args = parse_args(argv)
+    progress.set_quiet(args.quiet)
     torch.set_num_threads(args.threads)
     from diffusers.utils import logging as diffusers_logging
 
@@ -290,6 +293,9 @@ def main(argv=None) -> None:
         if not args.resume:
             raise SystemExit("--export-only needs --resume (the state to export)")
         stop_at = step
+    bar = progress.bar(total=stop_at, desc="pretraining", unit="step", leave=True)
+    bar.update(step)
+    say = (lambda msg: bar.write(msg, file=sys.stdout)) if progress.interactive() else (lambda msg: print(msg, flush=True))
     while step < stop_at:
         if args.minutes is not None and time.time() - start > 60 * args.minutes:
             print(f"time limit of {args.minutes} min reached at step {step}", flush=True)
@@ -314,6 +320,7 @@ def main(argv=None) -> None:
         opt.step()
         sched.step()
         step += 1
+        bar.update(1)
         if ema is not None:
             decay = min(args.ema_decay, (1 + step) / (10 + step))  # short memory early on
             with torch.no_grad():
@@ -322,16 +329,17 @@ def main(argv=None) -> None:
         loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
         if step % args.log_every == 0 or step == 1:
             el = time.time() - start
-            print(f"step {step:5d}  loss {loss_avg:.4f}  grad {grad_norm:.2f}  lr {sched.get_last_lr()[0]:.2e}  "
-                  f"{(step - first_step) / el:.2f} steps/s  {el / 60:.1f} min", flush=True)
+            say(f"step {step:5d}  loss {loss_avg:.4f}  grad {grad_norm:.2f}  lr {sched.get_last_lr()[0]:.2e}  "
+                f"{(step - first_step) / el:.2f} steps/s  {el / 60:.1f} min")
         if state_dir is not None and step % args.ckpt_every == 0:
             save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg})
             if not args.no_eval and step % args.ckpt_every == 0:
                 t_ev = time.time()
                 res = evaluate(eval_pipe(*ema_state()), heldout_prompts, 16, args.eval_steps, cfg_scale)
-                print(f"[eval step {step}, {time.time() - t_ev:.0f}s] " + "  ".join(f"{k} {v:.2f}" for k, v in res.items()), flush=True)
+                say(f"[eval step {step}, {time.time() - t_ev:.0f}s] " + "  ".join(f"{k} {v:.2f}" for k, v in res.items()))
                 unet.train(), text_encoder.train()
 
+    bar.close()
     print(f"trained to step {step} ({step - first_step} steps) in {(time.time() - start) / 60:.1f} min", flush=True)
     if state_dir is not None and not args.export_only:
         save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg})

@@ -22,5 +22,8 @@ if ! python -c "import deepspeed" 2>/dev/null; then
 fi
 # quant: torchao, bitsandbytes and optimum-quanto CPU wheels, so that the low-precision policy copies
 # (int8 / int4 / fp8 weight-only emulation) are tested for real
-python -m pip install --quiet -e ".[dev,demo,quant]"
+python -m pip install --quiet -e ".[dev,demo,quant,data]"
+# TensorBoard (light, CPU only) so that the tracker tests run; wandb, mlflow and trackio are in
+# the `tracking` extra, and their tests skip where they are not installed
+python -m pip install --quiet "tensorboard>=2.14"
 python -c "import diffalign, torch; print(f'diffalign {diffalign.__version__} ready (torch {torch.__version__})')"

@@ -166,6 +166,22 @@ def test_adapter_options_reach_tiny_builds():
     assert load_adapter("tiny:sd3", max_sequence_length=8).max_sequence_length == 8
 
 
+def test_adapter_options_are_the_constructor_keywords():
+    """``from_pretrained`` hands the kwargs named in ``options`` to the constructor, the rest to
+    the pipeline: the tuple must list exactly the constructor's keyword-only options."""
+    import inspect
+
+    from diffalign.adapters import adapter_class
+
+    for family in FAMILIES:
+        cls = adapter_class(family)
+        if "from_pretrained" in vars(cls):  # shapes loads its own pipeline class
+            continue
+        params = inspect.signature(cls.__init__).parameters.values()
+        keywords = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in ("device", "dtype")]
+        assert list(cls.options) == keywords, family
+
+
 def test_sd15_final_alpha_and_alpha_lookup():
     a = load_adapter("tiny:sd15")
     assert a.alphas_cumprod.shape == (1000,)

@@ -312,6 +312,14 @@ def test_sana_complex_human_instruction():
     assert custom.complex_human_instruction == ["Describe:"]
 
 
+def test_sana_from_pretrained_turns_the_instruction_on(tmp_path):
+    from diffalign.adapters.sana import pipeline_default_instruction
+
+    load_adapter("tiny:sana").pipeline.save_pretrained(tmp_path)
+    assert load_adapter(str(tmp_path)).complex_human_instruction == pipeline_default_instruction()  # as SanaPipeline.__call__
+    assert load_adapter(str(tmp_path), complex_human_instruction=False).complex_human_instruction is None
+
+
 def test_tiny_gemma_tokenizer_survives_save_and_load(tmp_path):
     from transformers import GemmaTokenizer
 

@@ -76,13 +76,15 @@ def run_with_fault(fault: str, argv: list[str]) -> int:
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300).returncode
 
 
-# Kill points: the N-th durable write of the run (1 config.yaml, 2 iteration 0's metrics line, 3 and
-# 4 the two files of the first checkpoint, ...). Flow-GRPO: write 3 (inside a checkpoint, whose
-# temporary folder the resume must remove) and a point drawn with a fixed seed; the other recipes
-# one drawn point each. Random moments rather than write boundaries: benchmarks/soak.py.
+# Kill points: the N-th durable write of the run (1 config.yaml, 2 prompts.json, 3 iteration 0's
+# metrics line, 4 and 5 the two files of the first checkpoint, ...). Flow-GRPO: write 4 (inside a
+# checkpoint, whose temporary folder the resume must remove) and a point drawn with a fixed seed;
+# the other recipes one drawn point each. Random moments rather than write boundaries:
+# benchmarks/soak.py.
+IN_CHECKPOINT = 4
 _rng = random.Random(0)
-KILLS = [("flow_grpo", 3)] + [("flow_grpo", w) for w in _rng.sample([2, *range(4, 9)], 1)]
-KILLS += [(name, _rng.randint(2, 8)) for name in ("branch_grpo", "stepwise_flow_grpo", "spo", "diffusion_nft", "sol_rl")]
+KILLS = [("flow_grpo", IN_CHECKPOINT)] + [("flow_grpo", w) for w in _rng.sample([2, 3, *range(5, 10)], 1)]
+KILLS += [(name, _rng.randint(2, 9)) for name in ("branch_grpo", "stepwise_flow_grpo", "spo", "diffusion_nft", "sol_rl")]
 
 
 @pytest.mark.parametrize("name, write", KILLS, ids=[f"{n}-write{w}" for n, w in KILLS])
@@ -92,8 +94,8 @@ def test_sigkill_then_resume_equals_uninterrupted(name, write, tmp_path, tmp_pat
     status = run_with_fault(f"kill-after-write={write}", args_for(name, out))
     assert status == -signal.SIGKILL, f"the run was not killed (status {status})"
     half_written = list((out / "checkpoints").glob(".tmp-*"))
-    if write == 3:
-        assert half_written, "write 3 is inside the first checkpoint"
+    if write == IN_CHECKPOINT:
+        assert half_written, f"write {IN_CHECKPOINT} is inside the first checkpoint"
     capsys.readouterr()
     assert run_cli("resume", str(out)) == 0
     err = capsys.readouterr().err
@@ -153,11 +155,11 @@ def test_full_disk_during_checkpoint_keeps_the_previous_one(tmp_path, tmp_path_f
 
 @pytest.mark.parametrize("sig, code", [("sigterm", 143), ("sigint", 130)])
 def test_sigterm_and_sigint_checkpoint_then_exit(sig, code, tmp_path, tmp_path_factory, monkeypatch, capsys):
-    """The signal arrives after write 2 (the first metrics line, in iteration 0's aftermath): the
-    run ends iteration 0's bookkeeping, writes its checkpoint, exits 128 + signal; resume is exact."""
+    """The signal arrives after write 3 (iteration 0's metrics line): the run ends iteration 0's
+    bookkeeping, writes its checkpoint, exits 128 + signal; resume is exact."""
     ref = reference("flow_grpo", tmp_path_factory)
     out = tmp_path / "run"
-    monkeypatch.setenv(faults.ENV, f"{sig}-after-write=2")
+    monkeypatch.setenv(faults.ENV, f"{sig}-after-write=3")
     faults.reset()
     capsys.readouterr()
     assert run_cli(*args_for("flow_grpo", out), "checkpoint.every=0") == code

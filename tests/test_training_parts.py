@@ -10,6 +10,7 @@ from diffalign.errors import NonFiniteError, RewardError
 from diffalign.training import metrics
 from diffalign.training.backend import Backend
 from diffalign.training.checks import SelfCheckError, check_on_policy, max_log_ratio
+from diffalign.training.groups import sample_level_batches, shuffled_share
 from diffalign.training.evaluator import eval_items
 from diffalign.training.policy import EMA
 from diffalign.training.rewards import RewardPool, reward_info
@@ -47,6 +48,22 @@ def test_backend_applies_a_finite_step_and_drops_a_poisoned_one(accelerator):
     torch.testing.assert_close(lin.weight.detach(), torch.tensor([[0.5, 1.5]]))
     with pytest.raises(NonFiniteError, match="2 consecutive"):
         backend.close_step(True)
+
+
+def test_optimizer_steps_split_micro_batches_and_count_terms(accelerator):
+    backend, _ = backend_for(torch.nn.Linear(2, 1), accelerator, "train.optimizer_steps_per_iteration=3")
+    steps = backend.plan_steps([2, 0, 0, 0, 1])  # np.array_split: micro-batches [0, 1], [2, 3], [4]
+    assert [s.micro.tolist() for s in steps] == [[0, 1], [4]]  # the middle step has no term: left out
+    assert [s.global_terms for s in steps] == [2.0, 1.0] and [s.forwards for s in steps] == [2, 1]
+    assert backend.plan_steps([]) == []
+
+
+def test_shuffled_share_and_sample_level_batches():
+    perm = torch.tensor([4, 1, 3, 0, 2, 5])
+    keep = torch.tensor([True, True, True, False, True, True])
+    order_global, rows = shuffled_share(perm, 2, 3, keep)  # this process holds samples 2, 3, 4; 3 is not kept
+    assert order_global.tolist() == [4, 2] and rows.tolist() == [2, 0]
+    assert sample_level_batches(3, 2, 2) == [(slice(0, 2), 0), (slice(0, 2), 1), (slice(2, 4), 0), (slice(2, 4), 1)]
 
 
 def test_backend_keeps_ema_of_the_trainable_weights(accelerator):

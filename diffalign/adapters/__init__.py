@@ -32,6 +32,9 @@ FAMILIES: dict[str, str] = {
     "sd15": "diffalign.adapters.sd15:SD15Adapter",
     "sdxl": "diffalign.adapters.sdxl:SDXLAdapter",
     "sana": "diffalign.adapters.sana:SanaAdapter",
+    "qwen": "diffalign.adapters.qwenimage:QwenImageAdapter",
+    "flux2": "diffalign.adapters.flux2:Flux2Adapter",
+    "wan": "diffalign.adapters.wan:WanAdapter",
     "shapes": "diffalign.adapters.shapes:ShapesAdapter",
 }
 
@@ -42,6 +45,9 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "StableDiffusionPipeline": "sd15",
     "StableDiffusionXLPipeline": "sdxl",
     "SanaPipeline": "sana",
+    "QwenImagePipeline": "qwen",
+    "Flux2KleinPipeline": "flux2",
+    "WanPipeline": "wan",
     "ShapesPipeline": "shapes",
 }
 

@@ -73,11 +73,9 @@ class UNetDDIMMixin:
     # ---- contract methods ---------------------------------------------------------------
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         # Every down block beyond the first halves the latent, so its size must divide by 2^(levels-1).
-        unet = self.pipeline.unet
-        multiple = self.vae_scale_factor * 2 ** (len(unet.config.block_out_channels) - 1)
-        if height % multiple or width % multiple:
-            raise ValueError(f"{self.family} image size must be a multiple of {multiple}, got {height}x{width}")
-        return (unet.config.in_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+        config = self.pipeline.unet.config
+        multiple = self.vae_scale_factor * 2 ** (len(config.block_out_channels) - 1)
+        return self._latent_shape(height, width, multiple=multiple, channels=config.in_channels, downsample=self.vae_scale_factor)
 
     def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """``x0_hat = (x_t - sqrt(1 - abar_t) * eps) / sqrt(abar_t)``."""

@@ -83,11 +83,11 @@ def tiny_clip_text_config(vocab_size: int, *, hidden_size: int = 16, projection_
     )
 
 
-def tiny_t5_config(vocab_size: int, *, d_model: int = 32):
-    """A 1-layer T5 encoder config."""
+def tiny_t5_config(vocab_size: int, *, d_model: int = 32, config_class=None):
+    """A 1-layer T5 encoder config (``config_class``: another T5 flavour's, e.g. ``UMT5Config``)."""
     from transformers import T5Config
 
-    return T5Config(
+    return (config_class or T5Config)(
         vocab_size=vocab_size,
         d_model=d_model,
         d_kv=8,
@@ -99,6 +99,35 @@ def tiny_t5_config(vocab_size: int, *, d_model: int = 32):
         pad_token_id=0,
         eos_token_id=1,
         decoder_start_token_id=0,
+    )
+
+
+def tiny_unet(*, cross_attention_dim: int, attention_head_dim, **options):
+    """A 2-level ``UNet2DConditionModel`` (channels 8 / 16, cross-attention at the second level)
+    on 4-channel 16 x 16 latents (32 px images); ``options`` add SDXL's conditioning."""
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=16,  # latent size of a 32 px image
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=cross_attention_dim,
+        attention_head_dim=attention_head_dim,
+        norm_num_groups=4,
+        **options,
+    )
+
+
+def tiny_decoder_config(config_class, vocab_size: int, *, width: int = 16, num_layers: int = 1, **options):
+    """A decoder-only text model config (Gemma-2, Qwen3, Qwen2.5-VL's text part) of width
+    ``width``: 2 query heads sharing 1 key-value head, an MLP of twice the width."""
+    return config_class(
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=num_layers,
+        num_attention_heads=2, num_key_value_heads=1, **options,
     )
 
 
@@ -147,3 +176,60 @@ def tiny_tiny_autoencoder(latent_channels: int, *, scaling_factor: float = 1.530
     )
     vae.register_to_config(shift_factor=shift_factor)  # the SD3 pipeline reads it in decode
     return vae
+
+
+# Qwen-Image's system prompt (``QwenImagePipeline.prompt_template_encode``) in whole words: with these
+# in the vocabulary the template's prefix is 34 tokens, as with the real Qwen2 tokenizer, so the
+# pipeline's ``prompt_template_encode_start_idx = 34`` drops exactly the prefix.
+QWEN_TEMPLATE_WORDS = (
+    "system user assistant Describe image by detailing color shape size texture quantity text spatial "
+    "relationships objects background"
+).split()
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+# Qwen3's chat template for one user message, reduced to what Flux2KleinPipeline asks of it
+# (add_generation_prompt=True, enable_thinking=False: an empty think block).
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def tiny_qwen2_tokenizer(max_length: int = 131072):  # Qwen2.5 / Qwen3 tokenizers' model_max_length
+    """A byte-level BPE ``Qwen2Tokenizer`` (the class of Qwen2.5-VL's and Qwen3's tokenizers) built
+    in memory: the 256 byte characters, whole words of :data:`TINY_WORDS` and
+    :data:`QWEN_TEMPLATE_WORDS` with and without the leading-space marker ``Ġ``, Qwen's special
+    tokens (``<|endoftext|>`` pads), and Qwen3's chat template."""
+    from transformers import Qwen2Tokenizer
+
+    alphabet = _bytes_to_unicode()
+    space = alphabet[ord(" ")]  # "Ġ"
+    tokens = list(alphabet.values())
+    merges: list[tuple[str, str]] = []
+    words = list(dict.fromkeys(TINY_WORDS + QWEN_TEMPLATE_WORDS))
+    # Merge ranks in three blocks, each word a chain (prefix, next character). "Ġword" chains first:
+    # their left parts all start with Ġ, so they never compete with one another and always beat the
+    # bare-character pairs inside the word. Then bare words, the template's before TINY_WORDS, so that
+    # "system", "Describe", "user" and "assistant" stay whole (the 34-token prefix).
+    chains = [[space, *w] for w in words] + [list(w) for w in QWEN_TEMPLATE_WORDS] + [list(w) for w in TINY_WORDS]
+    for pieces in chains:
+        left = pieces[0]
+        for right in pieces[1:]:
+            if (left, right) not in merges:
+                merges.append((left, right))
+            left += right
+            if left not in tokens:
+                tokens.append(left)
+    vocab = {tok: i for i, tok in enumerate(tokens + list(QWEN_SPECIAL_TOKENS))}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+# The per-channel latent statistics of the Qwen-Image / Wan2.1 VAE (AutoencoderKLWan's defaults);
+# tiny VAEs take the first ``z_dim`` values so that decode exercises the same normalisation.
+QWEN_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                     0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+QWEN_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
+import numpy as np
 import torch
 
-from .base import PromptEmbeds
+if TYPE_CHECKING:  # base imports this module
+    from .base import PromptEmbeds
 
 
 def bcast(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -34,14 +36,16 @@ def guided_forward(
     embeds: PromptEmbeds,
     guidance_scale: float,
     detach_uncond: bool = False,
+    combine: Optional[Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Classifier-free guidance in one batched forward.
 
     ``forward(x, t, cond_kwargs)`` runs the denoiser on a batch. With ``guidance_scale > 1``
     and ``embeds.uncond`` set, the batch is ``[uncond; cond]`` (2B rows) and the result is
-    ``uncond + g * (cond - uncond)`` in fp32; otherwise only the cond rows are run. With
-    ``detach_uncond`` and gradients enabled, the uncond rows run in a separate forward without
-    gradient (the backward then covers B rows, not 2B).
+    ``uncond + g * (cond - uncond)`` in fp32 (or ``combine(uncond, cond, g)`` when a family's
+    pipeline guides differently); otherwise only the cond rows are run. With ``detach_uncond``
+    and gradients enabled, the uncond rows run in a separate forward without gradient (the
+    backward then covers B rows, not 2B).
     """
     t = batch_t(t, x.shape[0], x.device)
     if guidance_scale > 1.0 and embeds.uncond is not None:
@@ -53,6 +57,8 @@ def guided_forward(
             kwargs = {k: torch.cat([embeds.uncond[k], embeds.cond[k]]) for k in embeds.cond}
             out = forward(torch.cat([x, x]), torch.cat([t, t]), kwargs).float()
             uncond, cond = out.chunk(2)
+        if combine is not None:
+            return combine(uncond, cond, guidance_scale)
         return uncond + guidance_scale * (cond - uncond)
     return forward(x, t, embeds.cond).float()
 
@@ -67,8 +73,57 @@ def vae_decode(vae, latents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     scale = vae.config.scaling_factor
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     z = latents.to(device=vae.device, dtype=dtype) / scale + shift
-    image = vae.decode(z, return_dict=False)[0]
+    return to_unit_range(vae.decode(z, return_dict=False)[0])
+
+
+@torch.no_grad()
+def denormalize_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """``z * latents_std + latents_mean`` per channel (axis 1) in the VAE's device and dtype: the
+    model latents of the Wan-style VAEs (Wan2.1, Qwen-Image) -> what the VAE decodes."""
+    z = latents.to(device=vae.device, dtype=vae.dtype)
+    shape = (1, -1, *([1] * (z.ndim - 2)))
+    mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
+    std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
+    return z * std + mean
+
+
+def to_unit_range(image: torch.Tensor) -> torch.Tensor:
+    """Decoded pixels in ``[-1, 1]`` -> fp32 in ``[0, 1]``."""
     return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+def scheduler_sigmas(scheduler, num_steps: int, *, scheduler_class=None, **set_timesteps_kwargs) -> torch.Tensor:
+    """The sigmas (``num_steps + 1`` values ending in 0, fp32 on CPU) of a fresh copy of
+    ``scheduler`` (no shared step state; of ``scheduler_class`` when given, from the same config)
+    after ``set_timesteps(num_steps, **set_timesteps_kwargs)``, as a pipeline calls it."""
+    fresh = (scheduler_class or type(scheduler)).from_config(scheduler.config)
+    fresh.set_timesteps(num_steps, device="cpu", **set_timesteps_kwargs)
+    return fresh.sigmas.detach().to("cpu", torch.float32).clone()
+
+
+def pipeline_sigmas(num_steps: int, config=None) -> Optional[np.ndarray]:
+    """The sigmas FLUX-style pipelines hand ``set_timesteps`` to shift: ``linspace(1, 1/N, N)``;
+    ``None`` (the scheduler's own) when a scheduler ``config`` is given and asks for
+    ``use_flow_sigmas`` (FLUX.1 and FLUX.2 check it, Qwen-Image does not)."""
+    if config is not None and config.get("use_flow_sigmas", False):
+        return None
+    return np.linspace(1.0, 1 / num_steps, num_steps)
+
+
+def shift_mu(config, image_seq_len: int, *, max_shift: float = 1.15) -> float:
+    """The resolution-dependent shift ``mu`` of ``calculate_shift`` (one function copied into the
+    FLUX.1, SD3 and Qwen-Image pipelines) from the scheduler ``config``'s ``base_image_seq_len``,
+    ``max_image_seq_len``, ``base_shift`` and ``max_shift`` (default ``max_shift`` when absent:
+    1.15 as FLUX.1 / Qwen-Image, SD3 passes 1.16)."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    return calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", max_shift),
+    )
 
 
 def pipeline_kwargs(dtype: torch.dtype, kwargs: Optional[dict]) -> dict:
@@ -97,3 +152,22 @@ def module_dtype(module: torch.nn.Module) -> torch.dtype:
     real model); this is O(1).
     """
     return next(module.parameters()).dtype
+
+
+def is_flow_scheduler(scheduler) -> bool:
+    """A rectified-flow scheduler: ``FlowMatchEulerDiscreteScheduler``, or a multistep solver
+    (DPM-Solver, UniPC) configured with ``use_flow_sigmas`` and ``prediction_type="flow_prediction"``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return True
+    config = scheduler.config
+    return bool(config.get("use_flow_sigmas", False)) and config.get("prediction_type") == "flow_prediction"
+
+
+def gives_integer_timesteps(scheduler) -> bool:
+    """Whether ``scheduler`` hands the denoiser integer timesteps (DPM-Solver, UniPC: ``int64``
+    ``floor(1000 sigma)``) rather than float ones (FlowMatchEuler: ``1000 sigma``)."""
+    probe = type(scheduler).from_config(scheduler.config)  # fresh: no shared step state
+    probe.set_timesteps(2, device="cpu")
+    return not probe.timesteps.is_floating_point()

@@ -10,6 +10,14 @@ need, so that adding a model never touches an algorithm:
 - ``make_schedule``: the sampling times for ``num_steps`` steps;
 - ``denoiser``: the trainable module (LoRA goes here); ``default_lora_targets``.
 
+A family implements ``from_pretrained``, ``build_tiny``, ``encode_prompts`` and ``predict``; the
+rest has defaults for the common diffusers layout, which a family overrides where it differs:
+``denoiser`` (the pipeline's ``transformer`` or ``unet``), ``frozen_modules`` (every other torch
+module of the pipeline), ``latent_shape`` (a transformer on VAE latents, see ``latent_packing``),
+``decode`` (the VAE with ``scaling_factor`` / ``shift_factor``), and for flow models ``to_x0``
+and ``make_schedule`` (the pipeline's own scheduler). Epsilon UNets take the last two (and
+``latent_shape``) from ``_ddim.UNetDDIMMixin``.
+
 Time convention (``t`` everywhere below): for flow models (``prediction_type == "flow"``)
 ``t`` is sigma in ``[0, 1]`` (1 = pure noise) and the model predicts velocity
 ``v = eps - x0``; for epsilon models ``t`` is the integer DDPM timestep (as float) and the
@@ -19,10 +27,12 @@ schedule ends with ``-1`` meaning "the final, clean state".
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence
 
 import torch
+
+from ._util import bcast, guided_forward, pipeline_kwargs, scheduler_sigmas, vae_decode
 
 # ``model.dtype`` (and ``algorithm.quant.compute_dtype``) names -> torch dtypes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,6 +69,17 @@ class PromptEmbeds:
     def to(self, device=None, dtype=None) -> "PromptEmbeds":
         return self._map(lambda v: v.to(device=device, dtype=dtype if v.is_floating_point() else None))
 
+    @classmethod
+    def named(cls, names: Sequence[str], cond: Sequence[torch.Tensor], uncond: Optional[Sequence[torch.Tensor]] = None) -> "PromptEmbeds":
+        """``cond`` (and ``uncond``, ``None`` without CFG) keyed by the denoiser's keyword ``names``."""
+        return cls(dict(zip(names, cond)), None if uncond is None else dict(zip(names, uncond)))
+
+    @classmethod
+    def from_encoder(cls, encode, prompts: Sequence[str], with_uncond: bool, negative_prompt: str = "") -> "PromptEmbeds":
+        """``encode(texts) -> dict`` run on ``prompts``, and on as many ``negative_prompt`` for CFG."""
+        prompts = list(prompts)
+        return cls(encode(prompts), encode([negative_prompt] * len(prompts)) if with_uncond else None)
+
     @staticmethod
     def cat(items: Sequence["PromptEmbeds"]) -> "PromptEmbeds":
         cond = {k: torch.cat([e.cond[k] for e in items]) for k in items[0].cond}
@@ -75,6 +96,13 @@ class ModelAdapter(ABC):
     prediction_type: ClassVar[str]  # "flow" (velocity) or "epsilon"
     default_resolution: ClassVar[int] = 512
     default_lora_targets: ClassVar[list[str]] = []
+    pipeline_class: ClassVar[str] = ""  # the diffusers pipeline from_pretrained loads, e.g. "FluxPipeline"
+    options: ClassVar[tuple[str, ...]] = ()  # adapter options: the constructor's keyword-only arguments
+    # from_pretrained keywords used unless given: pipeline arguments or adapter options that differ
+    # for a real checkpoint (SD1.5: no safety checker; Sana: the complex human instruction on).
+    pretrained_defaults: ClassVar[dict] = {}
+    latent_packing: ClassVar[int] = 1  # latent patches the pipeline packs into channels (FLUX.1: 2x2); see latent_shape
+    display_name: ClassVar[str] = ""  # the family in error messages ("SD3", "FLUX.2"); "" = family
 
     def __init__(self, pipeline, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.pipeline = pipeline
@@ -91,9 +119,18 @@ class ModelAdapter(ABC):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    @abstractmethod
     def from_pretrained(cls, model_id: str, *, device="cpu", dtype=torch.float32, **kwargs) -> "ModelAdapter":
-        """Load the real pipeline with ``from_pretrained`` (hub id or local folder)."""
+        """Load ``pipeline_class`` with its own ``from_pretrained`` (hub id or local folder).
+
+        ``kwargs`` named in :attr:`options` go to the adapter's constructor, the rest to the
+        pipeline's ``from_pretrained`` (``revision``, ``variant`` ...); :attr:`pretrained_defaults`
+        fills in either kind when not given."""
+        import diffusers
+
+        kwargs = {**cls.pretrained_defaults, **kwargs}
+        options = {name: kwargs.pop(name) for name in cls.options if name in kwargs}
+        pipeline = getattr(diffusers, cls.pipeline_class).from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
+        return cls(pipeline, device=device, dtype=dtype, **options)
 
     @classmethod
     @abstractmethod
@@ -103,17 +140,31 @@ class ModelAdapter(ABC):
 
     # ---- the contract -------------------------------------------------------------------
     @property
-    @abstractmethod
     def denoiser(self) -> torch.nn.Module:
-        """The trainable network (``pipeline.transformer`` or ``pipeline.unet``)."""
+        """The trainable network: the pipeline's ``transformer``, else its ``unet``."""
+        transformer = getattr(self.pipeline, "transformer", None)
+        return transformer if transformer is not None else self.pipeline.unet
 
-    @abstractmethod
     def frozen_modules(self) -> list[torch.nn.Module]:
-        """Text encoders, VAE, ...: everything that is never trained."""
+        """Every torch module of the pipeline but the denoiser (text encoders, VAE, ...), in the
+        order of their component names; these are never trained."""
+        denoiser, components = self.denoiser, self.pipeline.components
+        modules = (components[name] for name in sorted(components))
+        return [m for m in modules if isinstance(m, torch.nn.Module) and m is not denoiser]
 
-    @abstractmethod
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        """Shape of one latent (without batch) for an image of ``height x width`` pixels."""
+        """Shape of one latent (without batch) for an image of ``height x width`` pixels.
+
+        By default a transformer on the latents of a VAE that downsamples ``vae_scale_factor``
+        times, in ``patch x patch`` patches, so sizes are multiples of their product. The patch is
+        the transformer's ``patch_size`` (SD3, Sana), or ``latent_packing`` when the pipeline
+        packs patches into the transformer's input channels (FLUX.1, Qwen-Image: 2x2), so that a
+        latent has ``in_channels / latent_packing^2`` channels. Other layouts override it.
+        """
+        config, packing, factor = self.denoiser.config, self.latent_packing, self.pipeline.vae_scale_factor
+        patch = packing if packing > 1 else config.patch_size
+        channels = config.in_channels // (packing * packing)
+        return self._latent_shape(height, width, multiple=factor * patch, channels=channels, downsample=factor)
 
     @abstractmethod
     @torch.no_grad()
@@ -126,25 +177,51 @@ class ModelAdapter(ABC):
         and ``embeds.uncond`` is set, uncond and cond go through one batched forward and the
         result is ``uncond + g * (cond - uncond)``. The output has x's shape and dtype fp32."""
 
-    @abstractmethod
     def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Tweedie estimate of the clean latent from a model output."""
+        """Tweedie estimate of the clean latent from a model output (fp32). Flow models:
+        ``x0_hat = x_t - t * v``; epsilon adapters override it (``_ddim.UNetDDIMMixin``)."""
+        self._require_flow("to_x0")
+        return x.float() - bcast(t, x) * model_output.float()
 
-    @abstractmethod
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents -> images ``(B, 3, H, W)`` fp32 in ``[0, 1]``."""
+        """Latents -> images ``(B, 3, H, W)`` fp32 in ``[0, 1]``. By default the pipeline's VAE in
+        its own dtype, undoing ``z_model = (z_vae - shift_factor) * scaling_factor``
+        (:func:`_util.vae_decode`); families with other latent statistics override it."""
+        return vae_decode(self.pipeline.vae, latents, self.pipeline.vae.dtype)
 
-    @abstractmethod
     def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """``num_steps + 1`` times ``t_0 > t_1 > ... > t_T`` (fp32, CPU). Flow: sigmas from the
-        pipeline's scheduler config ending in 0. Epsilon: DDIM timesteps ending in -1."""
+        pipeline's scheduler config ending in 0; by default those of a fresh copy of the
+        pipeline's own scheduler after ``set_timesteps(num_steps)``. Epsilon: DDIM timesteps
+        ending in -1 (``_ddim.UNetDDIMMixin``)."""
+        self._require_flow("make_schedule")
+        return scheduler_sigmas(self.pipeline.scheduler, num_steps)
+
+    def _require_flow(self, method: str) -> None:
+        if self.prediction_type != "flow":
+            raise NotImplementedError(f"{type(self).__name__} must implement {method} for {self.prediction_type!r} predictions")
 
     # ---- shared helpers -----------------------------------------------------------------
     def prepare_noise(self, batch_size: int, height: int, width: int, generator=None) -> torch.Tensor:
         """Initial noise ``x_T`` (fp32) on the adapter's device."""
         shape = (batch_size, *self.latent_shape(height, width))
         return torch.randn(shape, generator=generator, device=generator.device if generator is not None else "cpu").to(self.device)
+
+    def _latent_shape(
+        self, height: int, width: int, *, multiple: int, channels: int, downsample: int, frames: Optional[int] = None,
+        what: str = "image",
+    ) -> tuple[int, ...]:
+        """``(channels, [frames,] height / downsample, width / downsample)`` for a size whose sides
+        are multiples of ``multiple`` (VAE downsampling times patching); else ``ValueError``
+        naming the family's ``display_name`` and ``what`` ("image", "frame")."""
+        if height % multiple or width % multiple:
+            raise ValueError(f"{self.display_name or self.family} {what} size must be a multiple of {multiple}, got {height}x{width}")
+        return (channels, *(() if frames is None else (frames,)), height // downsample, width // downsample)
+
+    def _guided(self, forward, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float, combine=None) -> torch.Tensor:
+        """:func:`_util.guided_forward` with this adapter's ``detach_uncond``."""
+        return guided_forward(forward, x, t, embeds, guidance_scale, self.detach_uncond, combine=combine)
 
     def config_summary(self) -> dict:
         """A few facts for logs and model cards."""

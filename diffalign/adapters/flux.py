@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
-from ._util import batch_t, bcast, guided_forward, pipeline_kwargs, vae_decode, module_dtype
+from ._util import module_dtype, pipeline_sigmas, scheduler_sigmas, shift_mu
 from .base import ModelAdapter, PromptEmbeds
 from .sd3 import FLOW_GRPO_LORA_TARGETS
 
@@ -66,6 +65,10 @@ class FluxAdapter(ModelAdapter):
     prediction_type = "flow"
     default_resolution = 1024
     default_lora_targets = FLOW_GRPO_LORA_TARGETS  # the double-stream blocks, as in Flow-GRPO
+    pipeline_class = "FluxPipeline"
+    options = ("guidance", "max_sequence_length")
+    latent_packing = 2  # 2x2 latent pixels per token, packed in predict
+    display_name = "FLUX"
 
     def __init__(
         self,
@@ -85,15 +88,6 @@ class FluxAdapter(ModelAdapter):
         self.default_resolution = FLUX_DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, guidance=FLUX_DEV_GUIDANCE, max_sequence_length=None, **kwargs
-    ):
-        from diffusers import FluxPipeline
-
-        pipe = FluxPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, guidance=guidance, max_sequence_length=max_sequence_length)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "FluxAdapter":
         """1 double + 1 single block of width 32 with guidance embedding (like FLUX.1-dev), a
@@ -140,21 +134,6 @@ class FluxAdapter(ModelAdapter):
         return cls(pipe, device=device, dtype=dtype, **kwargs)  # kwargs: adapter options
 
     # ---- the contract -------------------------------------------------------------------
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipeline.transformer
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        p = self.pipeline
-        return [m for m in (p.text_encoder, p.text_encoder_2, p.vae) if m is not None]
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        multiple = 2 * self.vae_scale_factor  # VAE downsampling, then 2x2 packing
-        if height % multiple or width % multiple:
-            raise ValueError(f"FLUX image size must be a multiple of {multiple}, got {height}x{width}")
-        c = self.pipeline.transformer.config.in_channels // 4
-        return (c, height // self.vae_scale_factor, width // self.vae_scale_factor)
-
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
         def encode(texts):
@@ -163,8 +142,7 @@ class FluxAdapter(ModelAdapter):
             )
             return {"encoder_hidden_states": pe, "pooled_projections": pooled}
 
-        prompts = list(prompts)
-        return PromptEmbeds(encode(prompts), encode([""] * len(prompts)) if with_uncond else None)
+        return PromptEmbeds.from_encoder(encode, prompts, with_uncond)
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
         """Velocity at ``(x, t)``; ``x`` is unpacked ``(B, C, h, w)``. See the module docstring
@@ -192,31 +170,15 @@ class FluxAdapter(ModelAdapter):
             )[0]
             return unpack_latents(out, h, w)
 
-        return guided_forward(forward, x, batch_t(t, x.shape[0], x.device), embeds, guidance_scale, self.detach_uncond)
-
-    def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return x.float() - bcast(t, x) * model_output.float()  # x0_hat = x_t - t * v
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return vae_decode(self.pipeline.vae, latents, self.pipeline.vae.dtype)
+        return self._guided(forward, x, t, embeds, guidance_scale)
 
     def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """Sigmas exactly as ``FluxPipeline`` sets them: ``linspace(1, 1/N, N)`` shifted with
         ``mu = calculate_shift(image tokens)`` (dynamic shifting), then 0 appended."""
         from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-        config = self.pipeline.scheduler.config
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)  # fresh: no shared step state
+        scheduler = self.pipeline.scheduler
         _, h, w = self.latent_shape(height, width)
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
-        scheduler.set_timesteps(num_steps, device="cpu", sigmas=sigmas, mu=mu)
-        return scheduler.sigmas.detach().to("cpu", torch.float32).clone()
+        mu = shift_mu(scheduler.config, (h // 2) * (w // 2))
+        sigmas = pipeline_sigmas(num_steps, scheduler.config)
+        return scheduler_sigmas(scheduler, num_steps, scheduler_class=FlowMatchEulerDiscreteScheduler, sigmas=sigmas, mu=mu)

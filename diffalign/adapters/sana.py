@@ -30,7 +30,7 @@ from typing import Sequence, Union
 import torch
 
 from ..errors import ModelLoadError
-from ._util import batch_t, bcast, guided_forward, pipeline_kwargs, vae_decode, module_dtype
+from ._util import gives_integer_timesteps, is_flow_scheduler, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 
 # Every attention projection: linear self-attention (attn1) and cross-attention (attn2) of each
@@ -48,15 +48,6 @@ def pipeline_default_instruction() -> list[str]:
     return list(inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default)
 
 
-def _is_flow_scheduler(scheduler) -> bool:
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        return True
-    config = scheduler.config
-    return bool(config.get("use_flow_sigmas", False)) and config.get("prediction_type") == "flow_prediction"
-
-
 class SanaAdapter(ModelAdapter):
     """Adapter for ``SanaPipeline``.
 
@@ -72,6 +63,10 @@ class SanaAdapter(ModelAdapter):
     prediction_type = "flow"
     default_resolution = 1024
     default_lora_targets = SANA_LORA_TARGETS
+    pipeline_class = "SanaPipeline"
+    options = ("max_sequence_length", "complex_human_instruction")
+    pretrained_defaults = {"complex_human_instruction": True}  # on, as in SanaPipeline.__call__
+    display_name = "Sana"
 
     def __init__(
         self,
@@ -84,7 +79,7 @@ class SanaAdapter(ModelAdapter):
     ):
         super().__init__(pipeline, device=device, dtype=dtype)
         config = pipeline.scheduler.config
-        if not _is_flow_scheduler(pipeline.scheduler):
+        if not is_flow_scheduler(pipeline.scheduler):
             raise ModelLoadError(
                 f"sana: scheduler {type(pipeline.scheduler).__name__!r} is not a flow "
                 "scheduler (expected DPMSolverMultistepScheduler with use_flow_sigmas and prediction_type "
@@ -100,22 +95,9 @@ class SanaAdapter(ModelAdapter):
         self.default_resolution = transformer.config.sample_size * self.vae_scale_factor
         self.num_train_timesteps = config.num_train_timesteps
         # Does the scheduler hand the transformer integer timesteps (DPM-Solver) or float ones?
-        probe = self._fresh_scheduler()
-        probe.set_timesteps(2, device="cpu")
-        self.integer_timesteps = not probe.timesteps.is_floating_point()
+        self.integer_timesteps = gives_integer_timesteps(pipeline.scheduler)
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, max_sequence_length: int = SANA_MAX_SEQUENCE_LENGTH,
-        complex_human_instruction: ComplexHumanInstruction = True, **kwargs,
-    ):
-        from diffusers import SanaPipeline
-
-        pipe = SanaPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, max_sequence_length=max_sequence_length,
-                   complex_human_instruction=complex_human_instruction)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "SanaAdapter":
         """1 Sana block of width 16 (2 heads of 8), a 1-layer Gemma-2 of width 16, a 2x DC-AE
@@ -124,14 +106,15 @@ class SanaAdapter(ModelAdapter):
         from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
         from transformers import Gemma2Config, Gemma2Model
 
+        from ._tiny import tiny_decoder_config
+
         kwargs.setdefault("max_sequence_length", 16)
         kwargs.setdefault("complex_human_instruction", False)
         torch.manual_seed(seed)
         width = 16
         tokenizer = tiny_gemma_tokenizer()
-        text_encoder = Gemma2Model(Gemma2Config(
-            vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+        text_encoder = Gemma2Model(tiny_decoder_config(
+            Gemma2Config, len(tokenizer), width=width, head_dim=8, max_position_embeddings=64,
             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         ))
         transformer = SanaTransformer2DModel(
@@ -162,21 +145,6 @@ class SanaAdapter(ModelAdapter):
         return cls(pipe, device=device, dtype=dtype, **kwargs)  # kwargs: adapter options
 
     # ---- the contract -------------------------------------------------------------------
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipeline.transformer
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        p = self.pipeline
-        return [m for m in (p.text_encoder, p.vae) if m is not None]
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        multiple = self.vae_scale_factor * self.patch_size
-        if height % multiple or width % multiple:
-            raise ValueError(f"Sana image size must be a multiple of {multiple}, got {height}x{width}")
-        c = self.pipeline.transformer.config.in_channels
-        return (c, height // self.vae_scale_factor, width // self.vae_scale_factor)
-
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
         pe, mask, neg_pe, neg_mask = self.pipeline.encode_prompt(
@@ -187,9 +155,9 @@ class SanaAdapter(ModelAdapter):
             max_sequence_length=self.max_sequence_length,
             complex_human_instruction=self.complex_human_instruction,
         )
-        cond = {"encoder_hidden_states": pe, "encoder_attention_mask": mask}
-        uncond = {"encoder_hidden_states": neg_pe, "encoder_attention_mask": neg_mask} if with_uncond else None
-        return PromptEmbeds(cond, uncond)
+        return PromptEmbeds.named(
+            ("encoder_hidden_states", "encoder_attention_mask"), (pe, mask), (neg_pe, neg_mask) if with_uncond else None
+        )
 
     def model_timestep(self, t: torch.Tensor) -> torch.Tensor:
         """Sigma -> the ``timestep`` the pipeline feeds the transformer (see the module docstring)."""
@@ -217,25 +185,10 @@ class SanaAdapter(ModelAdapter):
                 out = out.chunk(2, dim=1)[0]
             return out
 
-        return guided_forward(forward, x, batch_t(t, x.shape[0], x.device), embeds, guidance_scale, self.detach_uncond)
+        return self._guided(forward, x, t, embeds, guidance_scale)
 
-    def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return x.float() - bcast(t, x) * model_output.float()  # x0_hat = x_t - t * v
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return vae_decode(self.pipeline.vae, latents, self.pipeline.vae.dtype)  # DC-AE: z / scaling_factor
-
-    def _fresh_scheduler(self):
-        scheduler = self.pipeline.scheduler
-        return type(scheduler).from_config(scheduler.config)  # no shared step state
-
-    def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        """The sigmas of the pipeline's own scheduler after ``set_timesteps(num_steps)`` (what
-        ``SanaPipeline`` calls), ``num_steps + 1`` values ending in 0."""
-        scheduler = self._fresh_scheduler()
-        scheduler.set_timesteps(num_steps, device="cpu")
-        return scheduler.sigmas.detach().to("cpu", torch.float32).clone()
+    # decode: the default, z / scaling_factor through the DC-AE; make_schedule: the default, the
+    # pipeline's own scheduler after set_timesteps(num_steps), what SanaPipeline calls.
 
 
 # ---- tiny offline tokenizer --------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from ._ddim import FINAL_T, UNetDDIMMixin
-from ._util import batch_t, guided_forward, pipeline_kwargs, vae_decode, module_dtype
+from ._util import batch_t, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 
 # DDPO's LoRA targets: every attention projection of the UNet (self- and cross-attention).
@@ -33,6 +33,9 @@ class SD15Adapter(UNetDDIMMixin, ModelAdapter):
     prediction_type = "epsilon"
     default_resolution = 512
     default_lora_targets = SD15_LORA_TARGETS
+    pipeline_class = "StableDiffusionPipeline"
+    # The safety checker is never run here (we decode ourselves); skip loading its weights.
+    pretrained_defaults = {"safety_checker": None, "requires_safety_checker": False}
 
     def __init__(self, pipeline, *, device="cpu", dtype=torch.float32):
         super().__init__(pipeline, device=device, dtype=dtype)
@@ -40,23 +43,13 @@ class SD15Adapter(UNetDDIMMixin, ModelAdapter):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model_id: str, *, device="cpu", dtype=torch.float32, **kwargs):
-        from diffusers import StableDiffusionPipeline
-
-        # The safety checker is never run here (we decode ourselves); skip loading its weights.
-        kwargs.setdefault("safety_checker", None)
-        kwargs.setdefault("requires_safety_checker", False)
-        pipe = StableDiffusionPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype)
-
-    @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "SD15Adapter":
         """A 2-level UNet (channels 8/16, cross-attention at the second level), a 2-layer CLIP
         of width 32, a 2x VAE; SD1.5's noise schedule shipped as a PNDM config like SD1.5."""
-        from diffusers import PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+        from diffusers import PNDMScheduler, StableDiffusionPipeline
         from transformers import CLIPTextModel
 
-        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_vae
+        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_unet, tiny_vae
 
         torch.manual_seed(seed)
         tokenizer = tiny_clip_tokenizer(16)
@@ -65,18 +58,7 @@ class SD15Adapter(UNetDDIMMixin, ModelAdapter):
             len(tokenizer), hidden_size=text_width, projection_dim=text_width,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         )
-        unet = UNet2DConditionModel(
-            sample_size=16,  # latent size of a 32 px image
-            in_channels=4,
-            out_channels=4,
-            block_out_channels=(8, 16),
-            layers_per_block=1,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            cross_attention_dim=text_width,
-            attention_head_dim=8,
-            norm_num_groups=4,
-        )
+        unet = tiny_unet(cross_attention_dim=text_width, attention_head_dim=8)
         # SD1.5's scheduler_config.json (the noise schedule DDIM inherits).
         scheduler = PNDMScheduler(
             beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
@@ -96,19 +78,12 @@ class SD15Adapter(UNetDDIMMixin, ModelAdapter):
         return cls(pipe, device=device, dtype=dtype, **kwargs)  # kwargs: adapter options
 
     # ---- the contract -------------------------------------------------------------------
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipeline.unet
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        return [self.pipeline.text_encoder, self.pipeline.vae]
-
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
         pe, neg = self.pipeline.encode_prompt(
             list(prompts), self.device, num_images_per_prompt=1, do_classifier_free_guidance=with_uncond, negative_prompt=None
         )
-        return PromptEmbeds({"encoder_hidden_states": pe}, {"encoder_hidden_states": neg} if with_uncond else None)
+        return PromptEmbeds.named(("encoder_hidden_states",), (pe,), (neg,) if with_uncond else None)
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
         """Epsilon at ``(x, t)``; ``t`` are DDPM timesteps in ``[0, num_train_timesteps)``."""
@@ -119,8 +94,4 @@ class SD15Adapter(UNetDDIMMixin, ModelAdapter):
         def forward(xb, tb, kw):
             return unet(xb.to(dtype), tb, encoder_hidden_states=kw["encoder_hidden_states"].to(dtype), return_dict=False)[0]
 
-        return self._as_epsilon(guided_forward(forward, x, t, embeds, guidance_scale, self.detach_uncond), x, t)
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return vae_decode(self.pipeline.vae, latents, self.pipeline.vae.dtype)
+        return self._as_epsilon(self._guided(forward, x, t, embeds, guidance_scale), x, t)

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._util import bcast, guided_forward, pipeline_kwargs, vae_decode, module_dtype
+from ._util import module_dtype, scheduler_sigmas, shift_mu
 from .base import ModelAdapter, PromptEmbeds
 
 # Flow-GRPO's LoRA targets for SD3: the image-stream (to_*) and text-stream (add_*) projections
@@ -43,6 +43,9 @@ class SD3Adapter(ModelAdapter):
     prediction_type = "flow"
     default_resolution = 1024
     default_lora_targets = FLOW_GRPO_LORA_TARGETS
+    pipeline_class = "StableDiffusion3Pipeline"
+    options = ("max_sequence_length",)
+    display_name = "SD3"
 
     def __init__(self, pipeline, *, device="cpu", dtype=torch.float32, max_sequence_length: Optional[int] = None):
         super().__init__(pipeline, device=device, dtype=dtype)
@@ -55,13 +58,6 @@ class SD3Adapter(ModelAdapter):
         self.default_resolution = pipeline.transformer.config.sample_size * self.vae_scale_factor
 
     # ---- construction -------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, model_id: str, *, device="cpu", dtype=torch.float32, max_sequence_length=None, **kwargs):
-        from diffusers import StableDiffusion3Pipeline
-
-        pipe = StableDiffusion3Pipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, max_sequence_length=max_sequence_length)
-
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "SD3Adapter":
         """2 joint blocks of width 16, two 2-layer CLIPs of width 16, a 1-layer T5 of width 32,
@@ -110,21 +106,6 @@ class SD3Adapter(ModelAdapter):
         return cls(pipe, device=device, dtype=dtype, **kwargs)  # kwargs: adapter options
 
     # ---- the contract -------------------------------------------------------------------
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipeline.transformer
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        p = self.pipeline
-        return [m for m in (p.text_encoder, p.text_encoder_2, p.text_encoder_3, p.vae) if m is not None]
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
-        multiple = self.vae_scale_factor * self.patch_size
-        if height % multiple or width % multiple:
-            raise ValueError(f"SD3 image size must be a multiple of {multiple}, got {height}x{width}")
-        c = self.pipeline.transformer.config.in_channels
-        return (c, height // self.vae_scale_factor, width // self.vae_scale_factor)
-
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
         pe, neg_pe, pooled, neg_pooled = self.pipeline.encode_prompt(
@@ -136,9 +117,9 @@ class SD3Adapter(ModelAdapter):
             negative_prompt="",
             max_sequence_length=self.max_sequence_length,
         )
-        cond = {"encoder_hidden_states": pe, "pooled_projections": pooled}
-        uncond = {"encoder_hidden_states": neg_pe, "pooled_projections": neg_pooled} if with_uncond else None
-        return PromptEmbeds(cond, uncond)
+        return PromptEmbeds.named(
+            ("encoder_hidden_states", "pooled_projections"), (pe, pooled), (neg_pe, neg_pooled) if with_uncond else None
+        )
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:
         transformer = self.pipeline.transformer
@@ -155,34 +136,17 @@ class SD3Adapter(ModelAdapter):
                 return_dict=False,
             )[0]
 
-        return guided_forward(forward, x, t, embeds, guidance_scale, self.detach_uncond)
-
-    def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return x.float() - bcast(t, x) * model_output.float()  # x0_hat = x_t - t * v
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return vae_decode(self.pipeline.vae, latents, self.pipeline.vae.dtype)
+        return self._guided(forward, x, t, embeds, guidance_scale)
 
     def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """The sigmas of the pipeline's ``FlowMatchEulerDiscreteScheduler`` (static ``shift``,
         or resolution-dependent ``mu`` when the config asks for dynamic shifting, as the
         pipeline does), ``num_steps + 1`` values ending in 0."""
         from diffusers import FlowMatchEulerDiscreteScheduler
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-        config = self.pipeline.scheduler.config
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)  # fresh: no shared step state
+        scheduler = self.pipeline.scheduler
         kwargs = {}
-        if config.get("use_dynamic_shifting", False):
+        if scheduler.config.get("use_dynamic_shifting", False):
             _, h, w = self.latent_shape(height, width)
-            seq_len = (h // self.patch_size) * (w // self.patch_size)
-            kwargs["mu"] = calculate_shift(
-                seq_len,
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.16),
-            )
-        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
-        return scheduler.sigmas.detach().to("cpu", torch.float32).clone()
+            kwargs["mu"] = shift_mu(scheduler.config, (h // self.patch_size) * (w // self.patch_size), max_shift=1.16)
+        return scheduler_sigmas(scheduler, num_steps, scheduler_class=FlowMatchEulerDiscreteScheduler, **kwargs)

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._ddim import UNetDDIMMixin
-from ._util import batch_t, guided_forward, pipeline_kwargs, module_dtype
+from ._util import batch_t, module_dtype, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 from .sd15 import SD15_LORA_TARGETS
 
@@ -52,6 +52,9 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
     prediction_type = "epsilon"
     default_resolution = 1024
     default_lora_targets = SD15_LORA_TARGETS  # every attention projection of the UNet (DDPO / SPO)
+    pipeline_class = "StableDiffusionXLPipeline"
+    options = ("original_size", "crops_coords_top_left", "target_size")
+    pretrained_defaults = {"add_watermarker": False}  # we decode ourselves; the watermark is never applied
 
     def __init__(
         self,
@@ -74,26 +77,14 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_pretrained(
-        cls, model_id: str, *, device="cpu", dtype=torch.float32, original_size=None, crops_coords_top_left=(0, 0),
-        target_size=None, **kwargs,
-    ):
-        from diffusers import StableDiffusionXLPipeline
-
-        kwargs.setdefault("add_watermarker", False)  # we decode ourselves; the watermark is never applied
-        pipe = StableDiffusionXLPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
-        return cls(pipe, device=device, dtype=dtype, original_size=original_size,
-                   crops_coords_top_left=crops_coords_top_left, target_size=target_size)
-
-    @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "SDXLAdapter":
         """A 2-level UNet (channels 8/16, cross-attention at the second level) with SDXL's
         ``text_time`` added conditioning, a 2-layer CLIP and a 2-layer projected CLIP of width 16
         (32 wide side by side), a 2x VAE; SDXL 1.0's Euler scheduler config. 32 px images."""
-        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_vae
+        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_unet, tiny_vae
 
         torch.manual_seed(seed)
         text_len, clip_width, time_embed_dim = 16, 16, 8
@@ -102,14 +93,7 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
             len(tokenizer), hidden_size=clip_width, projection_dim=clip_width,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         )
-        unet = UNet2DConditionModel(
-            sample_size=16,  # latent size of a 32 px image
-            in_channels=4,
-            out_channels=4,
-            block_out_channels=(8, 16),
-            layers_per_block=1,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        unet = tiny_unet(
             cross_attention_dim=2 * clip_width,  # both CLIPs side by side
             attention_head_dim=(4, 8),
             use_linear_projection=True,  # as SDXL
@@ -117,7 +101,6 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
             addition_time_embed_dim=time_embed_dim,
             # 6 time ids, each embedded in time_embed_dim, plus the pooled text of CLIP 2.
             projection_class_embeddings_input_dim=6 * time_embed_dim + clip_width,
-            norm_num_groups=4,
         )
         # SDXL 1.0's scheduler_config.json (the noise schedule DDIM inherits).
         scheduler = EulerDiscreteScheduler(
@@ -142,23 +125,13 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
         return cls(pipe, device=device, dtype=dtype, **kwargs)  # kwargs: adapter options
 
     # ---- the contract -------------------------------------------------------------------
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipeline.unet
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        p = self.pipeline
-        return [m for m in (p.text_encoder, p.text_encoder_2, p.vae) if m is not None]
-
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
         pe, neg_pe, pooled, neg_pooled = self.pipeline.encode_prompt(
             list(prompts), device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=with_uncond,
             negative_prompt=None,  # as the pipeline: zeros with force_zeros_for_empty_prompt, else ""
         )
-        cond = {"encoder_hidden_states": pe, "text_embeds": pooled}
-        uncond = {"encoder_hidden_states": neg_pe, "text_embeds": neg_pooled} if with_uncond else None
-        return PromptEmbeds(cond, uncond)
+        return PromptEmbeds.named(("encoder_hidden_states", "text_embeds"), (pe, pooled), (neg_pe, neg_pooled) if with_uncond else None)
 
     def time_ids(self, height: int, width: int) -> torch.Tensor:
         """SDXL micro-conditioning for a ``height x width`` image: fp32 ``(6,)``."""
@@ -181,7 +154,7 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
                 added_cond_kwargs=added, return_dict=False,
             )[0]
 
-        return self._as_epsilon(guided_forward(forward, x, t, embeds, guidance_scale, self.detach_uncond), x, t)
+        return self._as_epsilon(self._guided(forward, x, t, embeds, guidance_scale), x, t)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -197,5 +170,4 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
             z = z * std / vae.config.scaling_factor + mean
         else:
             z = z / vae.config.scaling_factor
-        image = vae.decode(z.to(vae.dtype), return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return to_unit_range(vae.decode(z.to(vae.dtype), return_dict=False)[0])

@@ -22,7 +22,7 @@ import torch
 
 from diffalign.errors import ModelLoadError
 
-from ._util import batch_t, bcast, guided_forward, module_dtype
+from ._util import module_dtype
 from .base import ModelAdapter, PromptEmbeds
 
 
@@ -69,13 +69,6 @@ class ShapesAdapter(ModelAdapter):
         return cls(pipe, device=device, dtype=dtype)
 
     # ---- the contract -------------------------------------------------------------------
-    @property
-    def denoiser(self) -> torch.nn.Module:
-        return self.pipeline.unet
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        return [self.pipeline.text_encoder]
-
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (3, height, width)  # pixel space, no VAE
 
@@ -97,18 +90,8 @@ class ShapesAdapter(ModelAdapter):
             # UNet timestep input = sigma * 1000 (FlowMatchEulerDiscreteScheduler.timesteps).
             return unet(xb.to(dtype), tb * 1000.0, encoder_hidden_states=kwargs["encoder_hidden_states"].to(dtype)).sample
 
-        return guided_forward(forward, x, batch_t(t, x.shape[0], x.device), embeds, guidance_scale, self.detach_uncond)
-
-    def to_x0(self, model_output: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return x - bcast(t, x) * model_output  # x0_hat = x_t - t * v
+        return self._guided(forward, x, t, embeds, guidance_scale)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return ((latents.float() + 1) / 2).clamp(0, 1)
-
-    def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.pipeline.scheduler.config)
-        scheduler.set_timesteps(num_steps, device="cpu")
-        return scheduler.sigmas.float().cpu()  # num_steps + 1 values, 1 -> ... -> 0

@@ -254,7 +254,7 @@ def build_pairs(cfg: DRMRunConfig, drm: DiffusionRewardModel, log: Callable[[str
 
 def train_drm(cfg: DRMRunConfig, *, overwrite: bool = False, log: Optional[Callable[[str], None]] = None) -> dict:
     """Train and save a DRM (see the module docstring). Returns the summary written to drm.json."""
-    from tqdm.auto import tqdm
+    from diffalign import progress
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(cfg.output_dir)
@@ -287,8 +287,8 @@ def train_drm(cfg: DRMRunConfig, *, overwrite: bool = False, log: Optional[Calla
     order, pos = torch.randperm(len(train_pairs), generator=gen), 0
     drm.train()
     t_start = time.perf_counter()
-    bar = tqdm(range(cfg.train.steps), desc="drm", disable=not cfg.log.progress_bar, file=sys.stderr)
-    for step in bar:
+    bar = progress.bar(total=cfg.train.steps, desc="drm training", unit="step", disable=not cfg.log.progress_bar)
+    for step in range(cfg.train.steps):
         if pos + cfg.train.batch_size > len(order):
             order, pos = torch.randperm(len(train_pairs), generator=gen), 0
         idx = order[pos : pos + cfg.train.batch_size]
@@ -312,8 +312,10 @@ def train_drm(cfg: DRMRunConfig, *, overwrite: bool = False, log: Optional[Calla
             curve = accuracy_vs_t(drm, eval_pairs, cfg.eval.t_grid, seed=cfg.eval.seed, batch_size=cfg.eval.batch_size)
             record.update({f"eval/accuracy@t={r['t']:g}": r["accuracy"] for r in curve})
         metrics.write(record)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=f"{acc:.2f}")
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=f"{acc:.2f}", refresh=False)
+        bar.update(1)
     bar.close()
+    progress.phase("  drm: held-out and training accuracy vs t ...")
     train_seconds = time.perf_counter() - t_start
     curve = accuracy_vs_t(drm, eval_pairs, cfg.eval.t_grid, seed=cfg.eval.seed, batch_size=cfg.eval.batch_size)
     train_curve = accuracy_vs_t(drm, train_pairs.subset(torch.arange(min(len(train_pairs), len(eval_pairs) or 1))), cfg.eval.t_grid,

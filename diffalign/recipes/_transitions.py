@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from diffalign.adapters.base import PromptEmbeds
@@ -91,16 +90,9 @@ class TransitionTrainer(Trainer):
             order = order[state_keep[order]]
             bs = cfg.train.batch_size
             micro = [order[s : s + bs] for s in range(0, len(order), bs)]
-            groups = np.array_split(np.arange(len(micro)), cfg.train.optimizer_steps_per_iteration)
-            local_terms = torch.tensor([sum(int(tr.keep[micro[m]].sum()) for m in grp) for grp in groups], dtype=torch.float64)
-            global_terms = (self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu()
-                            if self.accelerator.num_processes > 1 else local_terms)
-            forwards = self.lockstep_counts([len(grp) for grp in groups])  # FSDP: the same forwards everywhere
-            for gi, grp in enumerate(groups):
-                if global_terms[gi] == 0:
-                    continue  # nothing to learn from on any process
+            for group in self.plan_optimizer_steps([int(tr.keep[rows].sum()) for rows in micro]):
                 bad = False
-                for m in grp:
+                for m in group.micro:
                     rows = micro[m]
                     x = tr.states[rows].to(dev)
                     t = tr.t[rows].to(dev)
@@ -125,9 +117,9 @@ class TransitionTrainer(Trainer):
                     logp, old, adv = step.log_prob[keep], old[keep], tr.advantages[rows].flatten().to(dev)[keep]
                     if guard is not None:
                         logp, old, adv = guard(select_step(step, keep), old, adv, steps_of(schedule, tk[keep]))
-                    if not accumulate_clipped(self, logp, old, adv, kl, algo, global_terms[gi], stats):
+                    if not accumulate_clipped(self, logp, old, adv, kl, algo, group.global_terms, stats):
                         bad = True
-                for _ in range(forwards[gi] - len(grp)):  # FSDP padding: this process's first state
+                for _ in range(group.forwards - len(group.micro)):  # FSDP padding: this process's first state
                     rows = torch.zeros(1, dtype=torch.long)
                     emb = embeds.select(tr.embed_rows[rows].to(next(iter(embeds.cond.values())).device))
                     self.idle_forward(tr.states[rows].to(dev), tr.t[rows].to(dev), emb, g, reference=algo.beta > 0)

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-import numpy as np
 import torch
 
 from diffalign import runs
@@ -307,15 +306,9 @@ class BranchGRPOTrainer(Trainer):
             order = all_edges[perm]
             order = order[(order[:, 0] >= first) & (order[:, 0] < first + n_local)]
             batches = [order[s : s + cfg.train.batch_size] for s in range(0, len(order), cfg.train.batch_size)]
-            groups = np.array_split(np.arange(len(batches)), cfg.train.optimizer_steps_per_iteration)
-            local_terms = torch.tensor([sum(len(batches[m]) for m in grp) for grp in groups], dtype=torch.float64)
-            global_terms = (self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu()
-                            if self.accelerator.num_processes > 1 else local_terms)
-            for gi, grp in enumerate(groups):
-                if global_terms[gi] == 0:
-                    continue  # nothing to learn from on any process
+            for group in self.plan_optimizer_steps([len(batch) for batch in batches]):
                 bad = False
-                for m in grp:
+                for m in group.micro:
                     batch = batches[m]
                     trees_g, nodes = batch[:, 0], batch[:, 1]
                     trees_l = trees_g - first
@@ -340,7 +333,7 @@ class BranchGRPOTrainer(Trainer):
                     logp, adv = step.log_prob, advantages[trees_g, nodes].to(dev)
                     if guard is not None:
                         logp, old_logp, adv = guard(step, old_logp, adv, depth[nodes] - 1)
-                    if not accumulate_clipped(self, logp, old_logp, adv, kl, algo, global_terms[gi], stats):
+                    if not accumulate_clipped(self, logp, old_logp, adv, kl, algo, group.global_terms, stats):
                         bad = True
                 _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)
@@ -357,11 +350,9 @@ class BranchGRPOTrainer(Trainer):
         self._picture = {"iteration": iteration, "prompt": prompt, "previews": traj.previews[0].cpu(),
                          "leaf_rewards": leaf_rewards.clone(), "advantages": advantages.clone(), "edges": edges.clone()}
 
-    def train(self) -> dict:
-        result = super().train()
+    def after_training(self) -> None:
         if self._picture is not None and self.cfg.log.report and self.accelerator.is_main_process:
             self.write_tree_report()
-        return result
 
     def write_tree_report(self) -> None:
         """Draw the captured tree into ``report/tree.png`` and append a section to ``report.md``."""
@@ -372,6 +363,7 @@ class BranchGRPOTrainer(Trainer):
         path = self.run_dir / "report" / "tree.png"
         draw_tree(images, tree, pic["leaf_rewards"], path, trained=pic["edges"], advantages=pic["advantages"],
                   title=f"iteration {pic['iteration']}: \"{pic['prompt']}\" (x0 previews; solid = trained edges)")
+        self.tracking.log_image("tree", path, pic["iteration"])
         r = pic["leaf_rewards"]
         lines = [
             "", "## BranchGRPO tree", "",

@@ -29,7 +29,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Optional
 
-import numpy as np
 import torch
 
 from diffalign.adapters.base import PromptEmbeds
@@ -39,7 +38,7 @@ from diffalign.errors import ConfigError
 from diffalign.sampling.seeded import SEED_HIGH, sample_seeded, seed_noise
 from diffalign.trainer import Trainer
 from diffalign.training.checks import SelfCheckError
-from diffalign.training.groups import gathered_group_advantages
+from diffalign.training.groups import gathered_group_advantages, sample_level_batches, shuffled_share
 from diffalign.training.rewards import reward_info
 
 OLD_ADAPTER = "old"  # name of the old / sampling policy's LoRA adapter (as in the reference)
@@ -294,20 +293,11 @@ class DiffusionNFTTrainer(Trainer):
             perm = torch.randperm(n_global, generator=self.generator)
             level_idx = draw_levels(n_global)  # (n_global, K)
             noise_seeds = torch.randint(0, SEED_HIGH, tuple(level_idx.shape), generator=self.generator)
-            mine = (perm >= first_local) & (perm < first_local + n_local) & keep[perm]
-            order_global = perm[mine]
-            order = order_global - first_local
-            n_levels = level_idx.shape[1]
-            batches = [slice(s, s + cfg.train.batch_size) for s in range(0, len(order), cfg.train.batch_size)]
-            micro = [(b, j) for b in batches for j in range(n_levels)]
-            groups = np.array_split(np.arange(len(micro)), cfg.train.optimizer_steps_per_iteration)
-            local_terms = torch.tensor([sum(len(order[micro[m][0]]) for m in grp) for grp in groups], dtype=torch.float64)
-            global_terms = self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu() if self.accelerator.num_processes > 1 else local_terms
-            for gi, grp in enumerate(groups):
-                if global_terms[gi] == 0:
-                    continue
+            order_global, order = shuffled_share(perm, first_local, n_local, keep)
+            micro = sample_level_batches(len(order), cfg.train.batch_size, level_idx.shape[1])
+            for group in self.plan_optimizer_steps([len(order[b]) for b, _ in micro]):
                 bad = False
-                for m in grp:
+                for m in group.micro:
                     b, j = micro[m]
                     rows, grows = order[b], order_global[b]
                     x0 = samples.x0[rows].to(dev).float()
@@ -318,7 +308,7 @@ class DiffusionNFTTrainer(Trainer):
                     x_t = (1 - tb) * x0 + tb * eps  # fresh noise on the forward process
                     emb = samples.embeds.select(rows.to(samples.embeds.cond[next(iter(samples.embeds.cond))].device))
                     res = batch_loss(x0, eps, t, x_t, emb, advantages[grows].to(dev))
-                    if not self.accumulate(res.per_sample.sum() / float(global_terms[gi])):
+                    if not self.accumulate(res.per_sample.sum() / group.global_terms):
                         bad = True
                         continue
                     for key in keys:

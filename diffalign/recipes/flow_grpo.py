@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from diffalign.config import FlowGRPOConfig
 from diffalign.recipes._clipped import accumulate_clipped, reference_kl
 from diffalign.recipes._grpo_guard import make_guard
-from diffalign.sampling import Trajectory, sample_linear
+from diffalign.sampling import Trajectory
 from diffalign.trainer import Trainer
 from diffalign.training.rewards import reward_info
-from diffalign.training.groups import gathered_group_advantages, plan_group_rollout
+from diffalign.training.groups import (gathered_group_advantages, plan_group_rollout, sample_group_chunks, sample_level_batches,
+                                       shuffled_share)
 
 
 class FlowGRPOTrainer(Trainer):
@@ -40,17 +40,9 @@ class FlowGRPOTrainer(Trainer):
         """Sample this process's share of the iteration's groups and score them.
 
         Returns (trajectory, embeds, prompts, global sample indices, rewards, reward info)."""
-        s = self.cfg.sampling
         plan = plan_group_rollout(self, iteration)
-        self.adapter.denoiser.eval()
         trajs, futures = [], []
-        bs = self.cfg.rollout.sample_batch_size
-        for start in range(0, plan.n_local, bs):
-            idx = slice(start, start + bs)
-            with self.autocast():
-                traj = sample_linear(self.adapter, self.kernel, plan.embeds.select(idx), plan.schedule, plan.sde_mask,
-                                     guidance_scale=s.guidance_scale, height=self.resolution, width=self.resolution,
-                                     noise=plan.noise[idx], step_noise=plan.step_noise[idx])
+        for idx, traj in sample_group_chunks(self, plan):
             trajs.append(traj)
             futures.append(self.score_async(traj.images, plan.sample_prompts[idx]))  # overlaps the next chunk
         results = [f.result() for f in futures]
@@ -105,23 +97,13 @@ class FlowGRPOTrainer(Trainer):
             # Global shuffle and step choice (same RNG use on every process), then our share.
             perm = torch.randperm(n_global, generator=self.generator)
             step_idx_global = self.trained_steps(traj.sde_mask, n_global)  # (n_global, K)
-            mine = (perm >= first_local) & (perm < first_local + len(sample_ids)) & keep[perm]
-            order_global = perm[mine]
-            order = order_global - first_local  # local rows
+            order_global, order = shuffled_share(perm, first_local, len(sample_ids), keep)
             step_idx = step_idx_global[order_global]
-            n_steps = step_idx.shape[1]
-            batches = [slice(s, s + cfg.train.batch_size) for s in range(0, len(order), cfg.train.batch_size)]
-            micro = [(b, j) for b in batches for j in range(n_steps)]
-            groups = np.array_split(np.arange(len(micro)), cfg.train.optimizer_steps_per_iteration)
-            # Terms per optimizer step, summed over processes: the loss is their global mean.
-            local_terms = torch.tensor([sum(len(order[micro[m][0]]) for m in grp) for grp in groups], dtype=torch.float64)
-            global_terms = self.accelerator.reduce(local_terms.to(dev), reduction="sum").cpu() if self.accelerator.num_processes > 1 else local_terms
-            forwards = self.lockstep_counts([len(grp) for grp in groups])  # FSDP: the same forwards everywhere
-            for gi, grp in enumerate(groups):
-                if global_terms[gi] == 0:
-                    continue  # every process had nothing to learn from (all groups zero-std)
+            micro = sample_level_batches(len(order), cfg.train.batch_size, step_idx.shape[1])
+            # The loss of a step is its global mean; a step with no term anywhere (all groups zero-std) is left out.
+            for group in self.plan_optimizer_steps([len(order[b]) for b, _ in micro]):
                 bad = False
-                for m in grp:
+                for m in group.micro:
                     b, j = micro[m]
                     rows = order[b]
                     steps = step_idx[b, j]
@@ -143,9 +125,9 @@ class FlowGRPOTrainer(Trainer):
                     logp, adv = step.log_prob, advantages[rows + first_local].to(dev)
                     if guard is not None:
                         logp, old_logp, adv = guard(step, old_logp, adv, steps, rows=rows, x_next=x_next)
-                    if not accumulate_clipped(self, logp, old_logp, adv, kl, algo, global_terms[gi], stats):
+                    if not accumulate_clipped(self, logp, old_logp, adv, kl, algo, group.global_terms, stats):
                         bad = True
-                for _ in range(forwards[gi] - len(grp)):
+                for _ in range(group.forwards - len(group.micro)):  # FSDP: the same forwards everywhere
                     self._idle_forward(traj, embeds, g)
                 _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)

@@ -26,7 +26,7 @@ from diffalign.algorithms.stepwise import stepwise_advantages, stepwise_gains
 from diffalign.algorithms.grpo_guard import GuardOptions
 from diffalign.config import AlgorithmConfig, check, register_algorithm_config
 from diffalign.recipes._transitions import TransitionTrainer, Transitions
-from diffalign.training.groups import plan_group_rollout
+from diffalign.training.groups import plan_group_rollout, sample_group_chunks
 from diffalign.sampling import Kernel, sde_window_mask
 from diffalign.sampling.dense import MAX_SUBSTEPS, DenseTrajectory, check_flow, decode_estimates, sample_linear_dense
 
@@ -95,17 +95,9 @@ class StepwiseFlowGRPOTrainer(TransitionTrainer):
         (n_local, T+1))."""
         s = self.cfg.sampling
         plan = plan_group_rollout(self, iteration)
-        self.adapter.denoiser.eval()
         trajs, futures = [], []
-        bs = self.cfg.rollout.sample_batch_size
-        for start in range(0, plan.n_local, bs):
-            idx = slice(start, start + bs)
-            with self.autocast():
-                traj = sample_linear_dense(self.adapter, self.kernel, plan.embeds.select(idx), plan.schedule, plan.sde_mask,
-                                           guidance_scale=s.guidance_scale, height=self.resolution, width=self.resolution,
-                                           substeps=self.algo.tweedie_substeps, noise=plan.noise[idx],
-                                           step_noise=plan.step_noise[idx])
-            images = decode_estimates(self.adapter, traj.x0_estimates, bs)  # (b (T+1), 3, H, W)
+        for idx, traj in sample_group_chunks(self, plan, sample_linear_dense, substeps=self.algo.tweedie_substeps):
+            images = decode_estimates(self.adapter, traj.x0_estimates, self.cfg.rollout.sample_batch_size)  # (b (T+1), 3, H, W)
             traj.x0_estimates = traj.x0_estimates[:, :0]  # scored; free the memory
             repeated = [p for p in plan.sample_prompts[idx] for _ in range(s.num_steps + 1)]
             futures.append(self.score_async(images, repeated))  # one call for all T+1 estimates of the chunk

@@ -21,7 +21,7 @@ import torch
 import schedulers
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.errors import ConfigError
-from diffalign.sampling.linear import Kernel, draw_noise
+from diffalign.sampling.linear import Kernel, LinearStep, Trajectory, sample_linear
 
 MAX_SUBSTEPS = 8  # the paper reports K robust in 2..8; more only adds cost
 
@@ -66,32 +66,20 @@ def refine_x0(
 
 
 @dataclass
-class DenseTrajectory:
-    """B linear rollouts of T steps with a clean estimate of every state.
+class DenseTrajectory(Trajectory):
+    """B linear rollouts of T steps (a :class:`~diffalign.sampling.Trajectory`) with a clean
+    estimate of every state.
 
-    ``latents``: (B, T+1, *latent) fp32 — states ``x_0`` (noise) ... ``x_T`` (final sample).
-    ``log_probs``: (B, T) fp32 — log p(x_{i+1} | x_i) under the sampling policy; 0 on ODE steps.
-    ``timesteps``: (T+1,) — the schedule.
-    ``sde_mask``: (T,) bool — stochastic steps.
     ``step_std``: (T,) fp32 — transition std of each step (0 on ODE steps and on degenerate SDE
     steps such as CPS's last one, whose log-prob is 0 and which must not be trained).
     ``x0_estimates``: (B, T+1, *latent) fp32 — ``[:, i]`` the (refined) Tweedie estimate at state
     i for i < T; ``[:, T]`` the real final sample.
-    ``images``: (B, 3, H, W) fp32 in [0, 1] — decoded final samples.
     ``extra_forwards``: denoiser calls spent on refinement (``(K - 1) T`` for K >= 2, else 0).
     """
 
-    latents: torch.Tensor
-    log_probs: torch.Tensor
-    timesteps: torch.Tensor
-    sde_mask: torch.Tensor
     step_std: torch.Tensor
     x0_estimates: torch.Tensor
-    images: torch.Tensor
     extra_forwards: int
-
-    def __len__(self) -> int:
-        return self.latents.shape[0]
 
     @property
     def trainable_steps(self) -> torch.Tensor:
@@ -100,17 +88,9 @@ class DenseTrajectory:
 
     @staticmethod
     def cat(items: list["DenseTrajectory"]) -> "DenseTrajectory":
-        first = items[0]
-        return DenseTrajectory(
-            torch.cat([t.latents for t in items]),
-            torch.cat([t.log_probs for t in items]),
-            first.timesteps,
-            first.sde_mask,
-            first.step_std,
-            torch.cat([t.x0_estimates for t in items]),
-            torch.cat([t.images for t in items]),
-            sum(t.extra_forwards for t in items),
-        )
+        return DenseTrajectory(**vars(Trajectory.cat(items)), step_std=items[0].step_std,
+                               x0_estimates=torch.cat([t.x0_estimates for t in items]),
+                               extra_forwards=sum(t.extra_forwards for t in items))
 
 
 @torch.no_grad()
@@ -132,31 +112,19 @@ def sample_linear_dense(
     """The rollout of :func:`diffalign.sampling.sample_linear` (same noise use, same states and
     log-probs) plus the clean estimate of every state (:func:`refine_x0` with ``substeps``)."""
     check_flow(adapter, "a dense (Tweedie) rollout")
-    batch = len(embeds)
-    x = noise if noise is not None else draw_noise(adapter, batch, height, width, generator)
-    x = x.float().to(adapter.device)
-    num_steps = len(schedule) - 1
-    states, estimates = [x], []
-    log_probs = torch.zeros(batch, num_steps, dtype=torch.float32, device=adapter.device)
-    step_std = torch.zeros(num_steps, dtype=torch.float32)
-    extra = 0
-    for i in range(num_steps):
-        t = schedule[i].expand(batch).to(adapter.device)
-        t_next = schedule[i + 1].expand(batch).to(adapter.device)
-        model_output = adapter.predict(x, t, embeds, guidance_scale)
-        estimates.append(refine_x0(adapter, x, t, model_output, embeds, guidance_scale=guidance_scale, substeps=substeps))
-        extra += max(substeps - 1, 0)
-        eps = step_noise[:, i].to(adapter.device) if step_noise is not None else None
-        out = kernel.step(model_output, x, t, t_next, sde=bool(sde_mask[i]), generator=generator, noise=eps)
-        if out.log_prob is not None:
-            log_probs[:, i] = out.log_prob
-        step_std[i] = float(out.std.flatten()[0]) if bool(sde_mask[i]) else 0.0
-        x = out.prev_sample.float()
-        states.append(x)
-    estimates.append(x)  # the final state is scored on the real sample
-    images = adapter.decode(x).float().clamp(0, 1)
-    return DenseTrajectory(torch.stack(states, 1), log_probs, schedule.clone(), sde_mask.clone(), step_std,
-                           torch.stack(estimates, 1), images, extra)
+    estimates: list[torch.Tensor] = []
+    step_std = torch.zeros(len(schedule) - 1, dtype=torch.float32)
+
+    def estimate(step: LinearStep) -> None:
+        estimates.append(refine_x0(adapter, step.x, step.t, step.model_output, embeds, guidance_scale=guidance_scale,
+                                   substeps=substeps))
+        step_std[step.index] = float(step.out.std.flatten()[0]) if step.sde else 0.0
+
+    traj = sample_linear(adapter, kernel, embeds, schedule, sde_mask, guidance_scale=guidance_scale, height=height,
+                         width=width, generator=generator, noise=noise, step_noise=step_noise, on_step=estimate)
+    estimates.append(traj.latents[:, -1])  # the final state is scored on the real sample
+    extra = max(substeps - 1, 0) * len(step_std)  # the first substep reuses the rollout's own forward
+    return DenseTrajectory(**vars(traj), step_std=step_std, x0_estimates=torch.stack(estimates, 1), extra_forwards=extra)
 
 
 @torch.no_grad()

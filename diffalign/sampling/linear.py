@@ -7,7 +7,7 @@ The sampler axis sits between models (adapters) and algorithms: it only calls
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -122,7 +122,7 @@ class Trajectory:
     ``log_probs``: (B, T) fp32 — log p(x_{i+1} | x_i) under the sampling policy; 0 on ODE steps.
     ``timesteps``: (T+1,) — the schedule ``t_0 > ... > t_T``.
     ``sde_mask``: (T,) bool — stochastic (trainable) steps.
-    ``images``: (B, 3, H, W) fp32 in [0, 1] — decoded final samples.
+    ``images``: (B, 3, H, W) fp32 in [0, 1] — decoded final samples; (B, F, 3, H, W) for video models.
     """
 
     latents: torch.Tensor
@@ -144,6 +144,23 @@ class Trajectory:
             first.sde_mask,
             torch.cat([t.images for t in items]),
         )
+
+
+@dataclass
+class LinearStep:
+    """One step ``i`` of a linear rollout, as :func:`sample_linear` passes it to ``on_step``.
+
+    ``x``: (B, *latent) fp32 state before the step, at times ``t`` (B,); ``model_output``: the
+    adapter's prediction there; ``out``: the kernel's step from ``x`` (``out.prev_sample`` is the
+    next state); ``sde``: whether the step was stochastic.
+    """
+
+    index: int
+    x: torch.Tensor
+    t: torch.Tensor
+    model_output: torch.Tensor
+    out: StepOutput
+    sde: bool
 
 
 def draw_noise(adapter: ModelAdapter, batch_size: int, height: int, width: int, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -168,13 +185,16 @@ def sample_linear(
     noise: Optional[torch.Tensor] = None,
     step_noise: Optional[torch.Tensor] = None,
     keep_latents: bool = True,
+    on_step: Optional[Callable[[LinearStep], None]] = None,
 ) -> Trajectory:
     """Roll out ``len(embeds)`` samples along ``schedule``; stochastic where ``sde_mask``.
 
     Noise comes from ``noise`` (initial, ``(B, *latent)``) and ``step_noise`` (``(B, T, *latent)``,
     used on SDE steps) when given — then results do not depend on how a batch is chunked or split
     across processes — else from ``generator``. With ``keep_latents=False`` only the first and
-    last states are kept (evaluation).
+    last states are kept (evaluation). ``on_step`` is called with every :class:`LinearStep` as it
+    is taken (the dense rollout of :mod:`diffalign.sampling.dense` estimates x0 there; progress
+    bars advance there).
     """
     batch = len(embeds)
     x = noise if noise is not None else draw_noise(adapter, batch, height, width, generator)
@@ -187,7 +207,10 @@ def sample_linear(
         t_next = schedule[i + 1].expand(batch).to(adapter.device)
         model_output = adapter.predict(x, t, embeds, guidance_scale)
         eps = step_noise[:, i].to(adapter.device) if step_noise is not None else None
-        out = kernel.step(model_output, x, t, t_next, sde=bool(sde_mask[i]), generator=generator, noise=eps)
+        sde = bool(sde_mask[i])
+        out = kernel.step(model_output, x, t, t_next, sde=sde, generator=generator, noise=eps)
+        if on_step is not None:
+            on_step(LinearStep(i, x, t, model_output, out, sde))
         if out.log_prob is not None:
             log_probs[:, i] = out.log_prob
         x = out.prev_sample.float()
@@ -208,18 +231,29 @@ def sample_images(
     resolution: int,
     seed: int,
     batch_size: int = 16,
+    progress: Optional[str] = None,
 ) -> torch.Tensor:
     """Deterministic samples (flow ODE / DDIM eta=0) for ``prompts`` with a fixed seed, so that
-    two models compared on the same seed start from the same noise. Returns (N, 3, H, W) on CPU."""
+    two models compared on the same seed start from the same noise. Returns (N, 3, H, W) on CPU.
+    ``progress``: a bar with this description, advanced every denoising step
+    (:mod:`diffalign.progress`)."""
     gen = torch.Generator("cpu").manual_seed(seed)
     schedule = adapter.make_schedule(num_steps, resolution, resolution)
     mask = torch.zeros(num_steps, dtype=torch.bool)
     kernel = build_kernel(adapter, "ddim" if adapter.prediction_type == "epsilon" else "flow_grpo", 0.0)
     out = []
+    bar = None
+    if progress is not None:
+        from diffalign import progress as progress_bars
+
+        bar = progress_bars.bar(total=len(range(0, len(prompts), batch_size)) * num_steps, desc=progress, unit="step")
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start : start + batch_size])
         embeds = adapter.encode_prompts(chunk, with_uncond=guidance_scale > 1)
         traj = sample_linear(adapter, kernel, embeds, schedule, mask, guidance_scale=guidance_scale,
-                             height=resolution, width=resolution, generator=gen, keep_latents=False)
+                             height=resolution, width=resolution, generator=gen, keep_latents=False,
+                             on_step=None if bar is None else lambda _step: bar.update())
         out.append(traj.images.cpu())
+    if bar is not None:
+        bar.close()
     return torch.cat(out)

@@ -184,14 +184,17 @@ def predict_x0_images(adapter, images: torch.Tensor, prompts: list[str], tau: to
 
 
 def noised_pair_views(adapter, pairs, index: torch.Tensor, tau: torch.Tensor, noise_gen: torch.Generator,
-                      guidance_scale: float, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      guidance_scale: float, batch_size: int, progress: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x0-prediction images of both images of pairs ``index`` at noise levels ``tau`` (one per pair),
-    the two images of a pair with the **same** noise. Returns two uint8 ``(B, 3, H, W)`` tensors."""
+    the two images of a pair with the **same** noise. Returns two uint8 ``(B, 3, H, W)`` tensors.
+    ``progress``: a bar with this description (:mod:`diffalign.progress`)."""
+    from diffalign import progress as progress_bars
     from diffalign.pairs import PairSet
 
     latent = adapter.latent_shape(pairs.images_0.shape[-2], pairs.images_0.shape[-1])
     out0, out1 = [], []
     half = max(1, batch_size // 2)
+    bar = progress_bars.bar(total=len(index), desc=progress or "", unit="pair", disable=progress is None)
     for s in range(0, len(index), half):
         idx = index[s : s + half]
         noise = torch.randn((len(idx), *latent), generator=noise_gen)
@@ -202,6 +205,8 @@ def noised_pair_views(adapter, pairs, index: torch.Tensor, tau: torch.Tensor, no
         p0, p1 = pred.chunk(2)
         out0.append((p0 * 255).round().to(torch.uint8))
         out1.append((p1 * 255).round().to(torch.uint8))
+        bar.update(len(idx))
+    bar.close()
     return torch.cat(out0), torch.cat(out1)
 
 
@@ -282,6 +287,7 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
     from diffalign.pairs import PairSet, generate_pairs, read_pairs, write_pairs
     from diffalign.spo.model import build_spm
     from diffalign.adapters.base import DTYPES
+    from diffalign import progress
     from diffalign.prompts import resolve_prompts
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -343,7 +349,8 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
         index = torch.arange(len(train_set)).repeat(tc.x0_views_per_pair)
         tau = draw_tau(len(index))
         log(f"train-spm: precomputing {len(index)} x0 views of noised pairs ...")
-        v0, v1 = noised_pair_views(adapter, train_set, index, tau, g, tc.x0_guidance_scale, tc.x0_batch_size)
+        v0, v1 = noised_pair_views(adapter, train_set, index, tau, g, tc.x0_guidance_scale, tc.x0_batch_size,
+                                   progress="train-spm: x0 views")
         pool = (index, tau, v0, v1)
 
     # ---- evaluation ---------------------------------------------------------------------------
@@ -351,7 +358,7 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
 
     def evaluate(taus: list[float]) -> dict[float, float]:
         result = {}
-        for tau in taus:
+        for tau in progress.bar(taus, desc=f"train-spm: held-out accuracy at {len(taus)} noise levels", unit="level"):
             key = round(float(tau), 6)
             if key not in eval_views:
                 eval_views[key] = noised_pair_views(adapter, eval_set, torch.arange(len(eval_set)), torch.full((len(eval_set),), key),
@@ -369,7 +376,9 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
     params = [p for p in spm.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
     losses, accs = [], []
+    bar = progress.bar(total=tc.steps, desc="train-spm: training", unit="step")
     for step in range(1, tc.steps + 1):
+        bar.update(1)
         spm.train()
         if pool is not None:
             pick = torch.randint(0, len(pool[0]), (tc.batch_size,), generator=g)
@@ -400,6 +409,8 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
             metrics.write({"step": step, "eval": True, **{f"eval/acc@{k:g}": v for k, v in mid.items()}})
             log(f"train-spm: step {step}/{tc.steps}, loss {np.mean(losses[-50:]):.4f}, held-out accuracy "
                 + ", ".join(f"t={k:g} {v:.3f}" for k, v in mid.items()))
+
+    bar.close()
 
     # ---- final evaluation, curve, weights -----------------------------------------------------
     after = evaluate(sorted(set(curve_taus) | {round(t, 6) for t in cfg.eval.taus}))

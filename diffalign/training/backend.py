@@ -8,8 +8,10 @@ is dropped and counted, and too many in a row stop the run (``train.max_nonfinit
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from diffalign import distributed
@@ -43,6 +45,15 @@ def allow_precision(mixed_precision: str) -> None:
         return
     if PartialState().num_processes == 1:
         AcceleratorState._reset_state()
+
+
+@dataclass
+class OptimizerStep:
+    """One optimizer step of an update epoch, as planned by :meth:`Backend.plan_steps`."""
+
+    micro: np.ndarray  # indices of its micro-batches in the epoch's list, consecutive
+    global_terms: float  # its loss terms summed over processes: each micro-batch's loss sum is divided by this
+    forwards: int  # micro-batches every process runs (FSDP: the global maximum; the extra ones are zero-loss forwards)
 
 
 class Backend:
@@ -110,6 +121,17 @@ class Backend:
         t = torch.tensor(counts, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [int(v) for v in t.tolist()]
+
+    def plan_steps(self, terms: list[int]) -> list[OptimizerStep]:
+        """Split an epoch's micro-batches (``terms[m]``: loss terms of micro-batch m on this process)
+        into ``train.optimizer_steps_per_iteration`` optimizer steps of consecutive micro-batches.
+        Each step carries its number of terms summed over processes, so that its loss is the global
+        mean whatever the process count; steps with no term on any process are left out."""
+        groups = np.array_split(np.arange(len(terms)), self.cfg.train.optimizer_steps_per_iteration)
+        local = torch.tensor([sum(terms[m] for m in grp) for grp in groups], dtype=torch.float64)
+        total = self.accelerator.reduce(local.to(self.device), reduction="sum").cpu() if self.accelerator.num_processes > 1 else local
+        forwards = self.lockstep_counts([len(grp) for grp in groups])
+        return [OptimizerStep(grp, float(n), f) for grp, n, f in zip(groups, total, forwards) if n != 0]
 
     def accumulate(self, loss: torch.Tensor) -> bool:
         """Backward one micro-batch's loss and return True; a non-finite loss is counted, its

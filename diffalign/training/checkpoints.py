@@ -230,7 +230,7 @@ def _save_weights(trainer, final: Path, iteration: int) -> None:
 
     cfg = trainer.cfg
     save_trained_weights(trainer.adapter, final, lora=cfg.lora.enabled, metadata={
-        "base_model": cfg.model.id, "family": trainer.adapter.family,
+        "base_model": cfg.model.id, "family": trainer.adapter.family, "model_options": dict(cfg.model.options),
         "algorithm": cfg.algorithm.name, "reward": cfg.reward.name,
         "iterations": iteration, "ema": trainer.ema is not None and cfg.eval.use_ema,
         "lora": to_dict(cfg.lora) if cfg.lora.enabled else None,

@@ -3,7 +3,7 @@
 The eval prompts are sampled with fixed seeds (ODE) and scored by the run's reward; ShapesWorld
 runs also keep per-image ShapesEval records (``eval_records/iter-N.json``: intervals, paired
 differences, see :mod:`diffalign.evaluation`) and, before and after training, the generalisation
-probe. A grid of the first images goes to ``samples/``.
+probe. A grid of the first images goes to ``samples/`` (for videos: one frame strip per video).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from diffalign import runs
-from diffalign.images import image_grid, save_png
+from diffalign.images import sample_grid, save_png
 from diffalign.sampling import sample_images
 
 
@@ -57,15 +57,18 @@ def evaluate(trainer, iteration: int, *, save_grid: bool = True, probe: bool = F
     return record
 
 
-def sample_eval(trainer, items: Sequence[str]) -> torch.Tensor:
-    """The images of ``items``: eval weights (EMA when configured), the eval sampler and seed."""
+def sample_eval(trainer, items: Sequence[str], what: str = "eval") -> torch.Tensor:
+    """The images of ``items``: eval weights (EMA when configured), the eval sampler and seed.
+    ``what`` names the progress bar (main process only)."""
     cfg = trainer.cfg
     trainer.adapter.denoiser.eval()
+    show = cfg.log.progress_bar and trainer.accelerator.is_main_process
     with trainer.eval_weights():
         with trainer.autocast():
             return sample_images(trainer.adapter, list(items), num_steps=cfg.sampling.eval_num_steps,
                                  guidance_scale=cfg.sampling.guidance_scale, resolution=trainer.resolution,
-                                 seed=cfg.eval.seed, batch_size=cfg.eval.batch_size)
+                                 seed=cfg.eval.seed, batch_size=cfg.eval.batch_size,
+                                 progress=f"{what}: {len(items)} images" if show else None)
 
 
 def _run(trainer, iteration: int, *, save_grid: bool, probe: bool) -> dict:
@@ -74,7 +77,7 @@ def _run(trainer, iteration: int, *, save_grid: bool, probe: bool) -> dict:
     cfg, e = trainer.cfg, trainer.cfg.eval
     prompts = eval_items(cfg, trainer.eval_prompts)
     t0 = time.perf_counter()
-    images = sample_eval(trainer, prompts)
+    images = sample_eval(trainer, prompts, f"eval (iteration {iteration})")
     rewards, info = trainer.score(images, prompts)
     record = {"iteration": iteration, "eval": True, "eval/reward_mean": float(rewards[torch.isfinite(rewards)].mean()),
               "eval/num_images": len(prompts)}
@@ -90,7 +93,7 @@ def _run(trainer, iteration: int, *, save_grid: bool, probe: bool) -> dict:
         saved = {"iteration": iteration, "heldout": heldout.to_json()}
         if probe and trainer.probe_prompts:
             items = eval_items(cfg, trainer.probe_prompts)
-            probe_eval = Evaluation.from_records(shapes_records(sample_eval(trainer, items), items),
+            probe_eval = Evaluation.from_records(shapes_records(sample_eval(trainer, items, f"probe (iteration {iteration})"), items),
                                                  meta={**meta, "num_images": len(items)})
             record.update(interval_record(probe_eval.intervals, "eval/probe/"))
             record["eval/probe/num_images"] = len(items)
@@ -101,7 +104,12 @@ def _run(trainer, iteration: int, *, save_grid: bool, probe: bool) -> dict:
             runs.atomic_write_text(path, json.dumps(saved))
     record["eval/seconds"] = time.perf_counter() - t0
     if save_grid and main:
-        n = min(len(images), 64)
-        save_png(image_grid(images[:n], nrow=8), trainer.run_dir / "samples" / f"eval-iter-{iteration:06d}.png", scale=2)
+        if images.ndim == 5:
+            record["eval/frames"] = images.shape[1]  # tells the report the grid holds frame strips
+        n = min(len(images), 8 if images.ndim == 5 else 64)  # videos: one frame strip per row
+        grid = trainer.run_dir / "samples" / f"eval-iter-{iteration:06d}.png"
+        save_png(sample_grid(images[:n]), grid, scale=2)
+        if getattr(trainer, "tracking", None) is not None:  # a bare trainer (tests) has none
+            trainer.tracking.log_image("eval/samples", grid, iteration)
         runs.atomic_write_text(trainer.run_dir / "samples" / "eval-prompts.txt", "".join(p + "\n" for p in prompts[:n]))
     return record

@@ -2,16 +2,19 @@
 
 Shared by the group-rollout recipes (Flow-GRPO and its variants, Stepwise-Flow-GRPO, DRM
 Step-GRPO). Every process draws the same global tensors from the trainer's shared generator and
-keeps its own slice, so that N processes sample exactly what one process would.
+keeps its own slice, so that N processes sample exactly what one process would. Recipes whose
+sampler takes :func:`~diffalign.sampling.sample_linear`'s arguments roll a plan out in chunks
+with :func:`sample_group_chunks`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
-from diffalign.sampling import sde_window_mask
+from diffalign.sampling import sample_linear, sde_window_mask
 
 
 @dataclass
@@ -52,6 +55,40 @@ def plan_group_rollout(trainer, iteration: int, *, with_step_noise: bool = True)
     embeds = trainer.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
     schedule = trainer.adapter.make_schedule(s.num_steps, trainer.resolution, trainer.resolution)
     return GroupRollout(prompts, sample_prompts, n_local, n_global, rank * n_local, sde_mask, noise, step_noise, embeds, schedule)
+
+
+def sample_group_chunks(trainer, plan: GroupRollout, sampler: Callable = sample_linear, **options) -> Iterator[tuple[slice, object]]:
+    """Roll out this process's samples of ``plan`` ``rollout.sample_batch_size`` at a time, with the
+    denoiser in eval mode and under the trainer's autocast, using the plan's noise.
+
+    ``sampler`` is :func:`~diffalign.sampling.sample_linear` or one with its arguments (such as
+    :func:`~diffalign.sampling.sample_linear_dense`); ``options`` are its further keywords. Yields
+    each chunk's local rows and trajectory as soon as it is sampled, so that the caller can submit
+    the chunk's rewards to run while the next chunk samples."""
+    trainer.adapter.denoiser.eval()
+    s, bs = trainer.cfg.sampling, trainer.cfg.rollout.sample_batch_size
+    for start in range(0, plan.n_local, bs):
+        rows = slice(start, start + bs)
+        with trainer.autocast():
+            traj = sampler(trainer.adapter, trainer.kernel, plan.embeds.select(rows), plan.schedule, plan.sde_mask,
+                           guidance_scale=s.guidance_scale, height=trainer.resolution, width=trainer.resolution,
+                           noise=plan.noise[rows], step_noise=plan.step_noise[rows], **options)
+        yield rows, traj
+
+
+def shuffled_share(perm: torch.Tensor, first: int, n_local: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This process's kept samples in the order of a global shuffle ``perm`` (n_global,), with
+    ``first`` the global id of its first sample and ``keep`` (n_global,) bool: (global ids, local rows)."""
+    mine = (perm >= first) & (perm < first + n_local) & keep[perm]
+    order_global = perm[mine]
+    return order_global, order_global - first
+
+
+def sample_level_batches(n_rows: int, batch_size: int, levels: int) -> list[tuple[slice, int]]:
+    """Micro-batches of an update that trains every sample at ``levels`` steps (or noise levels):
+    ``(rows, j)`` for each slice of ``batch_size`` rows and each level j, batch-major."""
+    batches = [slice(s, s + batch_size) for s in range(0, n_rows, batch_size)]
+    return [(b, j) for b in batches for j in range(levels)]
 
 
 def reward_summary(rewards: torch.Tensor) -> dict[str, float]:

@@ -39,7 +39,7 @@ def format_eval(record: dict) -> str:
     """``reward_mean 0.412, acc/overall 0.198 [0.158, 0.243], ...`` (probe metrics last)."""
     from diffalign.evaluation import is_bound_key
 
-    skip = ("eval/seconds", "eval/num_images", "eval/probe/num_images")
+    skip = ("eval/seconds", "eval/num_images", "eval/probe/num_images", "eval/frames")
     keys = [k for k in record if k.startswith("eval/") and k not in skip and not is_bound_key(k)
             and isinstance(record[k], (int, float))]
     keys.sort(key=lambda k: k.startswith("eval/probe/"))
