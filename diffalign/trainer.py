@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -28,18 +26,15 @@ from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
 from diffalign.config_files import dump_config, to_dict
-from diffalign.errors import DiffalignError, Interrupted, RewardError
-
-
-class RewardFailures(RewardError):
-    """More reward calls failed than ``reward.max_failures`` allows."""
+from diffalign.errors import Interrupted
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.sampling import build_kernel
 from diffalign.training import checkpoints, evaluator, metrics, tracking
 from diffalign.training.backend import Backend, OptimizerStep, allow_precision
 from diffalign.training.checks import check_on_policy, max_log_ratio
 from diffalign.training.policy import prepare_denoiser
-from diffalign.training.rewards import RewardPool, reward_info
+from diffalign.training.interrupts import StopSignals
+from diffalign.training.rewards import RewardPool, call_with_retries, reward_info
 
 __all__ = ["Trainer", "reward_info"]
 
@@ -159,32 +154,15 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
-        """Call the reward, validate the output (shape) and return (rewards (B,), info). Videos
-        ``(B, F, 3, H, W)`` get the mean of the per-frame rewards (:func:`reward_models.call_reward`)."""
+        """Call the reward (again after a failure, up to ``reward.max_failures``:
+        :func:`~diffalign.training.rewards.call_with_retries`), validate the output (shape) and
+        return (rewards (B,), info). Videos ``(B, F, 3, H, W)`` get the mean of the per-frame
+        rewards (:func:`reward_models.call_reward`)."""
         metadata = metadata if metadata is not None else [{} for _ in prompts]
-        value = self._call_reward(images, prompts, metadata)
+        value = call_with_retries(lambda: reward_models.call_reward(self.reward_fn, images, prompts, metadata),
+                                  self.reward_fn, self.stats, self.cfg.reward.max_failures, self._log)
         rewards = reward_models.check_reward_output(self.cfg.reward.name, value, len(prompts))
         return rewards, dict(getattr(self.reward_fn, "last_info", None) or {})
-
-    def _call_reward(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
-        """The reward call, scored again after a failure (a server error, a malformed answer) until
-        ``reward.max_failures`` failures in the run; then :class:`RewardFailures`. Failures and the
-        reward's own retries (``transient_retries``, where it counts them) go into the metrics."""
-        while True:
-            before = getattr(self.reward_fn, "transient_retries", 0)
-            try:
-                return reward_models.call_reward(self.reward_fn, images, prompts, metadata)
-            except RewardError as exc:
-                failures = self.stats["reward_failures"] = self.stats.get("reward_failures", 0) + 1
-                if failures > self.cfg.reward.max_failures:
-                    raise RewardFailures(f"{exc} ({failures} failed reward calls, reward.max_failures="
-                                         f"{self.cfg.reward.max_failures})") from None
-                self._log(f"warning: {exc}; scoring again (failure {failures} of reward.max_failures="
-                          f"{self.cfg.reward.max_failures})")
-            finally:
-                retried = getattr(self.reward_fn, "transient_retries", 0) - before
-                if retried:
-                    self.stats["reward_retries"] = self.stats.get("reward_retries", 0) + retried
 
     def score_async(self, images: torch.Tensor, prompts: list[str]):
         """Submit scoring to a worker thread (overlaps the next batch's sampling)."""
@@ -261,24 +239,16 @@ class Trainer:
         return evaluator.evaluate(self, iteration, save_grid=save_grid, probe=probe)
 
     def extra_state(self) -> dict:
-        """Algorithm-specific state to checkpoint (override)."""
+        """Algorithm-specific state to checkpoint (override, with :meth:`load_extra_state`)."""
         return {}
 
-    def load_extra_state(self, state: dict) -> None:
-        pass
+    def load_extra_state(self, state: dict) -> None: ...
 
     def write_metrics(self, record: dict) -> None:
         """Append ``record`` to metrics.jsonl and send it to the trackers (main process)."""
         if self.accelerator.is_main_process and record:
             self.metrics.write(record)
-            step = int(record.get("iteration", 0))
-            self.tracking.log(record, step)
-            if record.get("eval"):
-                from diffalign.evaluation import is_bound_key
-
-                rows = [[k[5:], float(v), record.get(f"{k}_lo"), record.get(f"{k}_hi")] for k, v in record.items()
-                        if k.startswith("eval/") and isinstance(v, (int, float)) and not is_bound_key(k)]
-                self.tracking.log_table("eval/table", ["metric", "value", "lo", "hi"], rows, step)
+            self.tracking.log_record(record)
 
     def save_checkpoint(self, next_iteration: int) -> None:
         checkpoints.save_checkpoint(self, next_iteration)
@@ -291,77 +261,21 @@ class Trainer:
     def iteration(self, iteration: int) -> dict:
         raise NotImplementedError
 
-    def _guarded_iteration(self, it: int) -> dict:
-        """:meth:`iteration`; when the reward fails for good before any update of the iteration, the
-        random streams go back to where the iteration began and a checkpoint is written there, so
-        that ``diffalign resume`` repeats the iteration exactly once the reward works again."""
-        self._updated_in_iteration = False
-        boundary = checkpoints.stream_state(self)
-        try:
-            return self.iteration(it)
-        except RewardFailures as exc:
-            if self.reward_pool is not None:
-                self.reward_pool.shutdown()
-            if not self._updated_in_iteration and self._saved_iteration != it:
-                checkpoints.load_stream_state(self, boundary)
-                self.save_checkpoint(it)
-            kept = f"checkpoint at iteration {self._saved_iteration}" if self._saved_iteration is not None else "no checkpoint"
-            raise DiffalignError(f"stopped: {exc}; {kept}; fix the reward, then: diffalign resume {self.run_dir}") from None
-
-    @contextlib.contextmanager
-    def _stop_on_signals(self):
-        """SIGINT / SIGTERM set a flag that the loop reads after each iteration (which then ends
-        with a checkpoint); a second Ctrl-C stops at once, as Python's default does."""
-        self._stop_signal: Optional[int] = None
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum, frame):
-            if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-                raise KeyboardInterrupt
-            self._stop_signal = signum
-            self._log(f"{signal.Signals(signum).name} received: finishing the iteration, then writing a checkpoint "
-                      f"(Ctrl-C again stops at once)")
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
-    def _stop_requested(self) -> Optional[int]:
-        """The signal that asked this run to stop, agreed by every process (a collective)."""
-        signum = self._stop_signal or 0
-        if self.accelerator.num_processes > 1:
-            flag = torch.tensor([signum], device=self.device)
-            signum = int(self.accelerator.reduce(flag, reduction="max").item())
-        return signum or None
-
     def after_training(self) -> None:
         """Called once after the final evaluation, export and report, while the trackers are
         still open (a recipe adds its own pictures to the report here)."""
 
     def print_header(self) -> None:
-        d = self.cfg.derived(self.accelerator.num_processes)
-        n_train = sum(p.numel() for p in self.trainable)
-        self.log(f"diffalign: {self.cfg.algorithm.name} on {self.cfg.model.id} ({self.adapter.family}, {self.resolution}px) "
-                 f"-> {self.run_dir}")
-        self.log("  " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in d.items())
-                 + f", trainable params {n_train:,}, processes {self.accelerator.num_processes}, device {self.device}")
+        """What a run prints when it starts (:func:`~diffalign.training.metrics.header_lines`; recipes add lines)."""
+        for line in metrics.header_lines(self):
+            self.log(line)
 
     def train(self) -> dict:
         """Run to ``max_iterations``; returns the last eval record (or {})."""
-        from diffalign import progress
-
         self.setup()
         self.print_header()
-        cfg = self.cfg
-        if cfg.prompts.source == "shapes" and cfg.eval.samples_per_prompt != 1:
-            self.log(f"  note: eval.samples_per_prompt={cfg.eval.samples_per_prompt} does not apply to ShapesWorld prompts; "
-                     f"the evaluation samples eval.images_per_family={cfg.eval.images_per_family} images per family")
-        with self._stop_on_signals():
+        self.stop_signals = StopSignals(self._log)
+        with self.stop_signals.installed():
             return self._train_loop()
 
     def _train_loop(self) -> dict:
@@ -374,7 +288,7 @@ class Trainer:
                 last_eval = self.evaluate(0, probe=True)
                 self.write_metrics(last_eval)
                 self.log("  eval before training: " + metrics.format_eval(last_eval))
-            signum = self._stop_requested()
+            signum = self.stop_signals.requested(self.accelerator, self.device)
             if signum is not None:  # nothing trained yet: no checkpoint, a resume starts over
                 raise Interrupted(signum, self.start_iteration, str(self.run_dir), checkpoint=self._saved_iteration is not None)
             bar = progress.bar(total=cfg.max_iterations, desc="iterations", leave=True,
@@ -382,7 +296,7 @@ class Trainer:
             bar.update(self.start_iteration)
             for it in range(self.start_iteration, cfg.max_iterations):
                 t0 = time.perf_counter()
-                record = self._guarded_iteration(it)
+                record = checkpoints.guarded_iteration(self, it)
                 record = {"iteration": it, **record, "seconds": time.perf_counter() - t0, **{k: v for k, v in self.stats.items()}}
                 self.write_metrics(record)
                 bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}", loss=f"{record.get('loss', float('nan')):.4f}",
@@ -397,7 +311,7 @@ class Trainer:
                     self.write_metrics(last_eval)
                 if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
                     self.save_checkpoint(done)
-                signum = self._stop_requested()
+                signum = self.stop_signals.requested(self.accelerator, self.device)
                 if signum is not None:
                     bar.close()
                     if self._saved_iteration != done:

@@ -75,6 +75,28 @@ GUARDED_KEYS = ("model.id", "model.family", "algorithm.name", "lora.enabled", "l
 CHANGES_FILE = "config_changes.jsonl"  # changes accepted with --allow-config-change, one record per resume
 
 
+def guarded_iteration(trainer, it: int) -> dict:
+    """``trainer.iteration(it)``; when the reward fails for good before any update of the
+    iteration, the random streams go back to where the iteration began and a checkpoint is written
+    there, so that ``diffalign resume`` repeats the iteration exactly once the reward works again."""
+    from diffalign.errors import DiffalignError
+    from diffalign.training.rewards import RewardFailures
+
+    trainer._updated_in_iteration = False
+    boundary = stream_state(trainer)
+    try:
+        return trainer.iteration(it)
+    except RewardFailures as exc:
+        if trainer.reward_pool is not None:
+            trainer.reward_pool.shutdown()
+        if not trainer._updated_in_iteration and trainer._saved_iteration != it:
+            load_stream_state(trainer, boundary)
+            trainer.save_checkpoint(it)
+        saved = trainer._saved_iteration
+        kept = f"checkpoint at iteration {saved}" if saved is not None else "no checkpoint"
+        raise DiffalignError(f"stopped: {exc}; {kept}; fix the reward, then: diffalign resume {trainer.run_dir}") from None
+
+
 def _lookup(d: dict, dotted: str):
     for part in dotted.split("."):
         if not isinstance(d, dict) or part not in d:

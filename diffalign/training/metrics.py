@@ -35,6 +35,22 @@ def gather_info(accelerator, info: dict[str, float]) -> dict[str, float]:
     return {k: float(np.mean(v)) for k, v in merged.items()}
 
 
+def header_lines(trainer) -> list[str]:
+    """What a run prints when it starts: the method, model and run directory, the derived sizes,
+    and a note on settings that do not apply."""
+    cfg = trainer.cfg
+    d = cfg.derived(trainer.accelerator.num_processes)
+    n_train = sum(p.numel() for p in trainer.trainable)
+    lines = [f"diffalign: {cfg.algorithm.name} on {cfg.model.id} ({trainer.adapter.family}, {trainer.resolution}px) "
+             f"-> {trainer.run_dir}",
+             "  " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in d.items())
+             + f", trainable params {n_train:,}, processes {trainer.accelerator.num_processes}, device {trainer.device}"]
+    if cfg.prompts.source == "shapes" and cfg.eval.samples_per_prompt != 1:
+        lines.append(f"  note: eval.samples_per_prompt={cfg.eval.samples_per_prompt} does not apply to ShapesWorld prompts; "
+                     f"the evaluation samples eval.images_per_family={cfg.eval.images_per_family} images per family")
+    return lines
+
+
 def format_eval(record: dict) -> str:
     """``reward_mean 0.412, acc/overall 0.198 [0.158, 0.243], ...`` (probe metrics last)."""
     from diffalign.evaluation import is_bound_key

@@ -16,6 +16,31 @@ import torch
 from diffalign.errors import RewardError
 
 
+class RewardFailures(RewardError):
+    """More reward calls failed than ``reward.max_failures`` allows."""
+
+
+def call_with_retries(call: Callable[[], object], reward_fn, stats: dict, max_failures: int,
+                      log: Callable[[str], None]):
+    """``call()`` (one reward call), made again after a failure (a server error, a malformed
+    answer) until ``max_failures`` failures in the run; then :class:`RewardFailures`. Failures
+    (``stats["reward_failures"]``) and the reward's own retries (``reward_fn.transient_retries``,
+    where it counts them; ``stats["reward_retries"]``) are counted for the metrics."""
+    while True:
+        before = getattr(reward_fn, "transient_retries", 0)
+        try:
+            return call()
+        except RewardError as exc:
+            failures = stats["reward_failures"] = stats.get("reward_failures", 0) + 1
+            if failures > max_failures:
+                raise RewardFailures(f"{exc} ({failures} failed reward calls, reward.max_failures={max_failures})") from None
+            log(f"warning: {exc}; scoring again (failure {failures} of reward.max_failures={max_failures})")
+        finally:
+            retried = getattr(reward_fn, "transient_retries", 0) - before
+            if retried:
+                stats["reward_retries"] = stats.get("reward_retries", 0) + retried
+
+
 def reward_info(results: Sequence[tuple[torch.Tensor, dict]]) -> dict[str, float]:
     """Mean over batches of the reward's per-batch info (e.g. ShapesEval's per-family accuracy),
     keys prefixed ``reward/``. ``results`` are (rewards, info) pairs as the reward returns them."""

@@ -112,6 +112,18 @@ class Tracking:
         if values:
             self.accelerator.log(values, step=step)
 
+    def log_record(self, record: Mapping) -> None:
+        """A ``metrics.jsonl`` record at its iteration: its scalars, and an evaluation record's
+        metrics (value and 95 % interval) as the table ``eval/table``."""
+        step = int(record.get("iteration", 0))
+        self.log(record, step)
+        if record.get("eval"):
+            from diffalign.evaluation import is_bound_key
+
+            rows = [[k[5:], float(v), record.get(f"{k}_lo"), record.get(f"{k}_hi")] for k, v in record.items()
+                    if k.startswith("eval/") and isinstance(v, (int, float)) and not is_bound_key(k)]
+            self.log_table("eval/table", ["metric", "value", "lo", "hi"], rows, step)
+
     def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
         """A small table: a W&B / trackio table, a Markdown text panel in TensorBoard, an MLflow
         JSON artifact."""
