@@ -34,6 +34,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from diffalign.errors import DiffalignError
+from diffalign.prompts import jsonl_objects
 
 #: GenEval's tasks in the order of the Flow-GRPO paper's table, with its column names
 TASKS = {"single_object": "Single Obj.", "two_object": "Two Obj.", "counting": "Counting", "colors": "Colors",
@@ -49,15 +50,7 @@ def read_metadata(path: str | Path, key: str = "--metadata") -> list[dict]:
     if not f.is_file():
         raise DiffalignError(f"{key}: metadata file {str(path)!r} does not exist")
     entries = []
-    for n, line in enumerate(f.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except ValueError as exc:
-            raise DiffalignError(f"{key}: line {n} of {str(path)!r} is not JSON ({exc})") from None
-        if not isinstance(entry, dict):
-            raise DiffalignError(f"{key}: line {n} of {str(path)!r} is not a JSON object")
+    for n, entry in jsonl_objects(f, f"{key}: {str(path)!r}", DiffalignError):
         for name, kind in (("prompt", str), ("tag", str), ("include", list)):
             if not isinstance(entry.get(name), kind):
                 raise DiffalignError(f"{key}: line {n} of {str(path)!r} has no {kind.__name__} {name!r} "

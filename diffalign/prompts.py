@@ -9,7 +9,7 @@ random order every epoch, deterministic per seed, with ``state_dict`` for exact 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -139,20 +139,27 @@ def read_prompt_file(path: str, *, column: str = "prompt", split: str = "train",
     return prompts
 
 
-def _read_jsonl(f: Path, column: str, where: str) -> tuple[list, None]:
-    """Values of ``column``, line by line (each line is checked for the key: no column list)."""
+def jsonl_objects(f: Path, where: str, error: type[Exception] = ConfigError) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` for every non-empty line of a JSON-lines file; a line that is not
+    a JSON object raises ``error`` with a one-line message starting with ``where``."""
     import json
 
-    values = []
     for n, line in enumerate(f.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except ValueError as exc:
-            raise ConfigError(f"{where}: line {n} is not JSON ({exc})") from None
+            raise error(f"{where}: line {n} is not JSON ({exc})") from None
         if not isinstance(obj, dict):
-            raise ConfigError(f"{where}: line {n} is not a JSON object")
+            raise error(f"{where}: line {n} is not a JSON object")
+        yield n, obj
+
+
+def _read_jsonl(f: Path, column: str, where: str) -> tuple[list, None]:
+    """Values of ``column``, line by line (each line is checked for the key: no column list)."""
+    values = []
+    for n, obj in jsonl_objects(f, where):
         if column not in obj:
             raise ConfigError(f"config key 'prompts.column': line {n} of {str(f)!r} has no {column!r} "
                               f"(keys: {', '.join(obj) or 'none'})")
