@@ -27,3 +27,23 @@ def _restore_torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """``shared_run(args, nproc=1)``: the run directory and result of ``launch([*args, output_dir=...])``,
+    made once per test session for the same ``args`` and ``nproc``. The multi-process tests compare
+    against the same reference runs (one process; two processes without ZeRO or FSDP), each of which
+    costs a subprocess's imports; tests read these runs and never write into them."""
+    from tests.helpers.launch import launch
+
+    runs = {}
+
+    def run(args, nproc=1):
+        key = (tuple(args), nproc)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("shared_run") / "run"
+            runs[key] = out, launch([*args, f"output_dir={out}"], ROOT, nproc=nproc)
+        return runs[key]
+
+    return run

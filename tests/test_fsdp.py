@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from diffalign.cli import main as cli_main
-from tests.helpers.compare import COMPARABLE, assert_same_update, weights
-from tests.helpers.launch import launch as run
+from tests.helpers.compare import COMPARABLE, FAST, OTHER_ALGORITHMS, assert_same_update, weights
+from tests.helpers.launch import launch as run, start_run
 
 REL = 1e-3  # largest weight difference allowed, in units of the update
 # SGD steps are lr x gradient: lr 2 moves the full fine-tuning's EMA weights by ~1.5e-3 in three iterations
@@ -32,7 +32,7 @@ def records(out):
 def test_fsdp_full_finetuning_matches_one_process_and_resumes_exactly(repo_root, tmp_path):
     start, one, two, part = tmp_path / "start", tmp_path / "one", tmp_path / "two", tmp_path / "part"
     train = ["-m", "diffalign.cli", "train", *COMMON, *FULL_FT]
-    run([*train, f"output_dir={start}", "max_iterations=0", "rollout.prompts_per_iteration=2"], repo_root)
+    start_run([*train, "rollout.prompts_per_iteration=2"], start)
     run([*train, f"output_dir={one}", "max_iterations=3", "rollout.prompts_per_iteration=2"], repo_root)
     fsdp = ["rollout.prompts_per_iteration=1", "train.fsdp=true"]
     res = run([*train, f"output_dir={two}", "max_iterations=3", *fsdp], repo_root, nproc=2)
@@ -53,7 +53,7 @@ def test_fsdp_full_finetuning_matches_one_process_and_resumes_exactly(repo_root,
 def test_fsdp_process_without_micro_batches_joins_the_others(repo_root, tmp_path):
     start, one, two = tmp_path / "start", tmp_path / "one", tmp_path / "two"
     settings = [*COMPARABLE, "optim.lr=50"]  # Flow-GRPO's gradients are ~1e-4: weights move by ~1e-2
-    run(["tests/fsdp_worker.py", str(start), "rollout.prompts_per_iteration=2", "max_iterations=0", *settings], repo_root)
+    start_run(["tests/fsdp_worker.py", "rollout.prompts_per_iteration=2", *settings], start)
     run(["tests/fsdp_worker.py", str(one), "rollout.prompts_per_iteration=2", *settings], repo_root)
     run(["tests/fsdp_worker.py", str(two), "rollout.prompts_per_iteration=1", "train.fsdp=true", *settings], repo_root, nproc=2)
     # trained on the first half only
@@ -105,33 +105,26 @@ def test_fsdp_stepwise_flow_grpo_matches_data_parallel(repo_root, tmp_path):
     train = ["-m", "diffalign.cli", "train", "configs/tiny/stepwise_flow_grpo_sd3.yaml", "max_iterations=2",
              "log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2",
              "train.ema.enabled=false", "optim.lr=1", "train.batch_size=4", "rollout.prompts_per_iteration=1", *COMPARABLE]
-    run([*train, f"output_dir={start}", "max_iterations=0"], repo_root)
+    start_run(train, start)
     run([*train, f"output_dir={ddp}"], repo_root, nproc=2)
     run([*train, f"output_dir={fsdp}", "train.fsdp=true"], repo_root, nproc=2)
     assert_same_update(weights(start), weights(ddp), weights(fsdp), rel=REL, min_update=1e-3)
     assert [r["reward_mean"] for r in records(fsdp)] == pytest.approx([r["reward_mean"] for r in records(ddp)], rel=1e-3)
 
 
-PREFERENCE = {  # config and overrides: two processes, LoRA
-    "spo": ("configs/tiny/spo_sd15.yaml", ["optim.lr=0.5", "train.batch_size=64", "rollout.prompts_per_iteration=1"]),
-    "diffusion_dpo": ("configs/shapes/diffusion_dpo.yaml",
-                      ["optim.lr=1e-2", "model.id=tiny:shapes", "prompts.families=[single_object]",
-                       "algorithm.generate_images_per_prompt=2", "train.optimizer_steps_per_iteration=2", "train.batch_size=2"]),
-}
+PREFERENCE = ("spo", "diffusion_dpo")  # two processes, LoRA: the same runs as tests/test_distributed.py's
 
 
-@pytest.mark.parametrize("name", list(PREFERENCE))
-def test_fsdp_preference_methods_match_data_parallel(repo_root, tmp_path, name):
+@pytest.mark.parametrize("name", PREFERENCE)
+def test_fsdp_preference_methods_match_data_parallel(repo_root, tmp_path, shared_run, name):
     """SPO (equal rollouts, equal pair shares) and Diffusion-DPO (every process generates the same
     pairs, then a slice of one global draw per micro-batch) keep the processes' forwards in
     lockstep by construction: under FSDP they give plain data parallelism's update."""
-    config, overrides = PREFERENCE[name]
-    train = ["-m", "diffalign.cli", "train", config, "max_iterations=2", "log.progress_bar=false", "log.report=false",
-             "eval.at_start=false", "eval.every=0", "checkpoint.every=0", "sampling.eval_num_steps=2", "train.ema.enabled=false",
-             *COMPARABLE, *overrides]
-    start, ddp, fsdp = tmp_path / "start", tmp_path / "ddp", tmp_path / "fsdp"
-    run([*train, f"output_dir={start}", "max_iterations=0"], repo_root)
-    run([*train, f"output_dir={ddp}"], repo_root, nproc=2)
+    config, both, _, two_proc = OTHER_ALGORITHMS[name]
+    train = ["-m", "diffalign.cli", "train", config, *FAST, *both, *two_proc]
+    start, fsdp = tmp_path / "start", tmp_path / "fsdp"
+    start_run(train, start)
+    ddp, _ = shared_run(train, nproc=2)  # the same run as tests/test_distributed.py's two processes
     res = run([*train, f"output_dir={fsdp}", "train.fsdp=true"], repo_root, nproc=2)
     assert "FSDP:" in res.stderr
     assert_same_update(weights(start), weights(ddp), weights(fsdp), rel=REL, min_update=1e-3)

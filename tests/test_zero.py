@@ -8,7 +8,7 @@ import torch
 
 from diffalign.cli import main as cli_main
 from tests.helpers.compare import COMPARABLE, assert_same_update, weights
-from tests.helpers.launch import launch as run
+from tests.helpers.launch import launch as run, start_run
 
 try:
     import deepspeed  # noqa: F401
@@ -22,19 +22,29 @@ COMMON = ["configs/tiny/flow_grpo_sd3.yaml", "log.progress_bar=false", "log.repo
           "sampling.eval_num_steps=2", "train.ema.enabled=false", "optim.lr=1e-2", "train.batch_size=64"]
 REL = 1e-3  # largest weight difference from one process allowed, in units of the update (tests/helpers/compare.py)
 
+# SGD with momentum: a state to partition and resume; Flow-GRPO's gradients are ~1e-4, lr 50 moves the weights by ~2e-2
+TRAIN = ["-m", "diffalign.cli", "train", *COMMON, *COMPARABLE, "optim.lr=50"]
+
+
 def records(out):
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, shared_run):
+    """The initial weights and three iterations of one process over both prompts: what ZeRO-1 and
+    ZeRO-2 over two processes (one prompt each) must reproduce."""
+    start = tmp_path_factory.mktemp("zero") / "start"
+    start_run([*TRAIN, "rollout.prompts_per_iteration=2"], start)
+    one, _ = shared_run([*TRAIN, "max_iterations=3", "rollout.prompts_per_iteration=2"])
+    return start, one
+
+
 @needs_deepspeed
-def test_zero2_two_processes_match_one_and_resume_exactly(repo_root, tmp_path):
-    start, one, two, part = tmp_path / "start", tmp_path / "one", tmp_path / "two", tmp_path / "part"
-    # SGD with momentum: a state to partition and resume; Flow-GRPO's gradients are ~1e-4, lr 50 moves the weights by ~2e-2
-    train = ["-m", "diffalign.cli", "train", *COMMON, *COMPARABLE, "optim.lr=50"]
-    run([*train, f"output_dir={start}", "max_iterations=0", "rollout.prompts_per_iteration=2"], repo_root)
-    run([*train, f"output_dir={one}", "max_iterations=3", "rollout.prompts_per_iteration=2"], repo_root)
+def test_zero2_two_processes_match_one_and_resume_exactly(repo_root, tmp_path, one_process):
+    (start, one), two, part = one_process, tmp_path / "two", tmp_path / "part"
     zero = ["rollout.prompts_per_iteration=1", "train.zero_stage=2", "checkpoint.every=1"]
-    run([*train, f"output_dir={two}", "max_iterations=3", *zero], repo_root, nproc=2)
+    run([*TRAIN, f"output_dir={two}", "max_iterations=3", *zero], repo_root, nproc=2)
     b = weights(two)
     assert_same_update(weights(start), weights(one), b, rel=REL, min_update=1e-3)
     assert [r["reward_mean"] for r in records(two)] == pytest.approx([r["reward_mean"] for r in records(one)], rel=1e-3)
@@ -43,7 +53,7 @@ def test_zero2_two_processes_match_one_and_resume_exactly(repo_root, tmp_path):
 
     state = runs.load_checkpoint(runs.latest_checkpoint(two))
     assert state["optimizer"]["zero_stage"] == 2 and len(state["optimizer"]["partitions"]) == 2
-    run([*train, f"output_dir={part}", "max_iterations=2", *zero], repo_root, nproc=2)
+    run([*TRAIN, f"output_dir={part}", "max_iterations=2", *zero], repo_root, nproc=2)
     run(["-m", "diffalign.cli", "resume", str(part), "max_iterations=3"], repo_root, nproc=2)
     c = weights(part)
     for k in b:
@@ -52,16 +62,13 @@ def test_zero2_two_processes_match_one_and_resume_exactly(repo_root, tmp_path):
 
 
 @needs_deepspeed
-def test_zero1_two_processes_match_one(repo_root, tmp_path):
+def test_zero1_two_processes_match_one(repo_root, tmp_path, one_process):
     """ZeRO-1 (optimizer states partitioned, gradients reduced whole) makes the update one process
     makes over the same samples, and its checkpoint holds each process's partition."""
     from diffalign import runs
 
-    start, one, two = tmp_path / "start", tmp_path / "one", tmp_path / "two"
-    train = ["-m", "diffalign.cli", "train", *COMMON, *COMPARABLE, "optim.lr=50"]
-    run([*train, f"output_dir={start}", "max_iterations=0", "rollout.prompts_per_iteration=2"], repo_root)
-    run([*train, f"output_dir={one}", "max_iterations=2", "rollout.prompts_per_iteration=2"], repo_root)
-    res = run([*train, f"output_dir={two}", "max_iterations=2", "rollout.prompts_per_iteration=1", "train.zero_stage=1"],
+    (start, one), two = one_process, tmp_path / "two"
+    res = run([*TRAIN, f"output_dir={two}", "max_iterations=3", "rollout.prompts_per_iteration=1", "train.zero_stage=1"],
               repo_root, nproc=2)
     assert "DeepSpeed ZeRO-1 over 2 processes" in res.stderr
     assert_same_update(weights(start), weights(one), weights(two), rel=REL, min_update=1e-3)
