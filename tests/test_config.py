@@ -59,7 +59,7 @@ def test_unknown_keys_are_named(tmp_path, text, key):
 )
 def test_bad_values_name_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        load_config(write(tmp_path, ""), [override])
+        load_config(write(tmp_path, "seed: 0\n"), [override])
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_bad_values_name_the_key(tmp_path, override, key):
 )
 def test_optimizer_settings_that_do_not_combine(tmp_path, overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
-        load_config(write(tmp_path, ""), overrides)
+        load_config(write(tmp_path, "seed: 0\n"), overrides)
     assert "\n" not in str(info.value)
 
 
@@ -129,6 +129,6 @@ def test_every_shipped_config_loads(repo_root):
 def test_bad_images_per_family_is_one_line_naming_the_key(tmp_path, capsys):
     from diffalign.cli import main
 
-    assert main(["config", str(write(tmp_path, "")), "eval.images_per_family=0"]) == 2
+    assert main(["config", str(write(tmp_path, "seed: 0\n")), "eval.images_per_family=0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: config key 'eval.images_per_family' must be >= 1"]

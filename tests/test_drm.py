@@ -353,7 +353,7 @@ def test_step_grpo_end_to_end_best_then_random_continuation(repo_root, tmp_path,
     (["reward.name=shapes_eval", "reward.kwargs={}"], "cannot score noisy states"),
     (["algorithm.num_candidates=1"], "algorithm.num_candidates"),
     (["algorithm.num_candidates=65"], "algorithm.num_candidates"),
-    (["reward.kwargs.path=/no/such/drm"], "not a DRM folder"),
+    (["reward.kwargs.path=/no/such/drm"], "is not trained yet; train it first with: diffalign train-reward"),
     (["model.id=tiny:sd3"], "cannot score sd3 latents"),
 ])
 def test_step_grpo_bad_input(repo_root, tmp_path, capsys, drm_dir, args, needle):
