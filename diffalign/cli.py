@@ -270,18 +270,27 @@ def _cmd_sample(args) -> int:
     return 0
 
 
+def _config_command(sub, name: str, help: str, fn, *, config_help: str | None = None, optional: bool = False,
+                    overwrite: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand taking a YAML config and ``dotted.key=value`` overrides (and ``--overwrite``)."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("config", nargs="?" if optional else None, help=config_help)
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    if overwrite:
+        p.add_argument("--overwrite", action="store_true", help=overwrite)
+    p.set_defaults(fn=fn)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffalign", description="Align diffusion / flow-matching image models with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train from a YAML config: diffalign train CONFIG [key=value ...]")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    p = _config_command(sub, "train", "train from a YAML config: diffalign train CONFIG [key=value ...]", _cmd_train,
+                        overwrite="delete a previous run in output_dir first")
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its latest checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="delete a previous run in output_dir first")
     p.add_argument("--allow-config-change", action="store_true",
                    help="with --resume: accept another model, algorithm, LoRA shape or prompt set (logged in the run directory)")
-    p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("resume", help="continue a run directory: diffalign resume RUN_DIR [key=value ...]")
     p.add_argument("run_dir")
@@ -290,10 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept another model, algorithm, LoRA shape or prompt set (logged in the run directory)")
     p.set_defaults(fn=_cmd_resume)
 
-    p = sub.add_parser("config", help="validate a config and print it resolved, with derived numbers")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.set_defaults(fn=_cmd_config)
+    _config_command(sub, "config", "validate a config and print it resolved, with derived numbers", _cmd_config)
 
     p = sub.add_parser("eval", help="held-out accuracy per family with 95 %% intervals for the base model and run "
                                     "directories, and each run's paired difference against the base")
@@ -347,18 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.set_defaults(fn=_cmd_demo)
 
-    p = sub.add_parser("train-spm", help="train a step-aware preference model (SPO) on preference pairs: "
-                                         "diffalign train-spm [CONFIG] [key=value ...]")
-    p.add_argument("config", nargs="?", help="YAML config (diffalign.spo.train.SPMTrainConfig); optional")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. pairs.file=data/pairs.jsonl")
-    p.add_argument("--overwrite", action="store_true", help="replace a previous SPM in output_dir")
-    p.set_defaults(fn=_cmd_train_spm)
+    _config_command(sub, "train-spm", "train a step-aware preference model (SPO) on preference pairs: "
+                    "diffalign train-spm [CONFIG] [key=value ...]", _cmd_train_spm, optional=True,
+                    config_help="YAML config (diffalign.spo.train.SPMTrainConfig); optional",
+                    overwrite="replace a previous SPM in output_dir")
 
-    p = sub.add_parser("train-reward", help="train a diffusion-based reward model (DRM) on preference pairs: diffalign train-reward CONFIG")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    p.add_argument("--overwrite", action="store_true", help="replace a previous DRM in output_dir")
-    p.set_defaults(fn=_cmd_train_reward)
+    _config_command(sub, "train-reward", "train a diffusion-based reward model (DRM) on preference pairs: "
+                    "diffalign train-reward CONFIG", _cmd_train_reward, overwrite="replace a previous DRM in output_dir")
 
     p = sub.add_parser("sample", help="sample images: plain (ODE) or step-wise (k SDE branches per step, the best under a DRM kept)")
     p.add_argument("--model", default="shapes", help="model id or a run directory (its final/ weights)")

@@ -12,30 +12,15 @@ import torch
 
 from diffalign.adapters import FAMILIES, PromptEmbeds, load_adapter
 from diffalign.errors import ModelLoadError
+from tests.helpers.adapters import PROMPTS, PX, one_thread, tiny_adapters, times  # noqa: F401 (fixtures)
 
 FAMILY_NAMES = ["sd3", "flux", "sd15"]
-PX = 32  # image size of every test
-PROMPTS = ["a red circle", "two blue squares"]
+adapter = tiny_adapters(FAMILY_NAMES)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models are dominated by per-op overhead; two threads on a shared 2-core machine are
-    # ~10x slower than one.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module", params=FAMILY_NAMES)
-def adapter(request):
-    return load_adapter(f"tiny:{request.param}", seed=0)
-
-
-def times(adapter, num_steps=4):
-    """Two different, valid, non-final times from the adapter's own schedule."""
-    return adapter.make_schedule(num_steps, PX, PX)[[0, 2]]
+# The checks every denoiser adapter must pass run on these too (SDXL and Sana have their own
+# file for what is particular to them).
+any_adapter = tiny_adapters(FAMILY_NAMES + ["sdxl", "sana"])
 
 
 def test_tiny_build_facts(adapter):
@@ -50,71 +35,80 @@ def test_tiny_build_facts(adapter):
         assert any(n == target or n.endswith("." + target) for n in names), target
 
 
-def test_encode_predict_decode_shapes(adapter):
-    e = adapter.encode_prompts(PROMPTS, with_uncond=True)
+def test_encode_predict_decode_shapes(any_adapter):
+    a = any_adapter
+    e = a.encode_prompts(PROMPTS, with_uncond=True)
     assert len(e) == 2 and e.uncond is not None and e.uncond.keys() == e.cond.keys()
     assert all(v.shape[0] == 2 for v in [*e.cond.values(), *e.uncond.values()])
-    assert adapter.encode_prompts(PROMPTS, with_uncond=False).uncond is None
+    assert a.encode_prompts(PROMPTS, with_uncond=False).uncond is None
 
-    x = adapter.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(0))
-    assert x.shape == (2, *adapter.latent_shape(PX, PX)) and x.dtype == torch.float32
+    x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(0))
+    assert x.shape == (2, *a.latent_shape(PX, PX)) and x.dtype == torch.float32
     with torch.no_grad():
-        out = adapter.predict(x, times(adapter), e, guidance_scale=3.0)
+        out = a.predict(x, times(a), e, guidance_scale=3.0)
     assert out.shape == x.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
 
-    images = adapter.decode(x)
+    images = a.decode(x)
     assert images.shape == (2, 3, PX, PX) and images.dtype == torch.float32
     assert images.min() >= 0 and images.max() <= 1
     with pytest.raises(ValueError):
-        adapter.latent_shape(PX + 1, PX)
+        a.latent_shape(PX + 1, PX)
 
 
-def test_different_prompts_give_different_outputs(adapter):
-    e = adapter.encode_prompts(PROMPTS, with_uncond=False)
-    x = adapter.prepare_noise(1, PX, PX, generator=torch.Generator().manual_seed(1)).repeat(2, 1, 1, 1)
-    t = times(adapter)[:1].repeat(2)
+def test_different_prompts_give_different_outputs(any_adapter):
+    a = any_adapter
+    e = a.encode_prompts(PROMPTS, with_uncond=False)
+    x = a.prepare_noise(1, PX, PX, generator=torch.Generator().manual_seed(1)).repeat(2, 1, 1, 1)
+    t = times(a)[:1].repeat(2)
     with torch.no_grad():
-        out = adapter.predict(x, t, e)
+        out = a.predict(x, t, e)
     assert (out[0] - out[1]).abs().max() > 1e-4
 
 
-def test_cfg_is_one_batched_forward_of_the_formula(adapter):
-    e = adapter.encode_prompts(PROMPTS, with_uncond=True)
-    x = adapter.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(2))
-    t, g = times(adapter), 4.5
+def test_cfg_is_one_batched_forward_of_the_formula(any_adapter):
+    a = any_adapter
+    e = a.encode_prompts(PROMPTS, with_uncond=True)
+    x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(2))
+    t, g = times(a), 4.5
+    calls = []
+    hook = a.denoiser.register_forward_hook(lambda module, args, output: calls.append(1))
     with torch.no_grad():
-        guided = adapter.predict(x, t, e, guidance_scale=g)
-        cond = adapter.predict(x, t, PromptEmbeds(e.cond))
-        uncond = adapter.predict(x, t, PromptEmbeds(e.uncond))
+        guided = a.predict(x, t, e, guidance_scale=g)
+        hook.remove()
+        assert len(calls) == 1  # uncond and cond rows in one forward
+        cond = a.predict(x, t, PromptEmbeds(e.cond))
+        uncond = a.predict(x, t, PromptEmbeds(e.uncond))
         # guidance_scale 1 ignores uncond even when it is present.
-        torch.testing.assert_close(adapter.predict(x, t, e, guidance_scale=1.0), cond, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a.predict(x, t, e, guidance_scale=1.0), cond, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(guided, uncond + g * (cond - uncond), rtol=1e-4, atol=1e-4)
 
 
-def test_per_sample_times(adapter):
-    e = adapter.encode_prompts(PROMPTS, with_uncond=True)
-    x = adapter.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(3))
-    t = times(adapter)
+def test_per_sample_times(any_adapter):
+    a = any_adapter
+    e = a.encode_prompts(PROMPTS, with_uncond=True)
+    x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(3))
+    t = times(a)
     assert t[0] != t[1]
     with torch.no_grad():
-        both = adapter.predict(x, t, e, guidance_scale=2.0)
+        both = a.predict(x, t, e, guidance_scale=2.0)
         for i in range(2):
-            one = adapter.predict(x[i : i + 1], t[i : i + 1], e.select([i]), guidance_scale=2.0)
+            one = a.predict(x[i : i + 1], t[i : i + 1], e.select([i]), guidance_scale=2.0)
             torch.testing.assert_close(both[i : i + 1], one, rtol=1e-4, atol=1e-5)
 
 
-def test_to_x0_formula(adapter):
+def test_to_x0_formula(any_adapter):
+    a = any_adapter
     gen = torch.Generator().manual_seed(4)
-    x = adapter.prepare_noise(2, PX, PX, generator=gen)
+    x = a.prepare_noise(2, PX, PX, generator=gen)
     out = torch.randn(x.shape, generator=gen)
-    t = times(adapter)
+    t = times(a)
     tb = t.view(-1, 1, 1, 1)
-    if adapter.prediction_type == "flow":
+    if a.prediction_type == "flow":
         expected = x - tb * out
     else:
-        abar = adapter.alphas_cumprod[t.long()].view(-1, 1, 1, 1)
+        abar = a.alphas_cumprod[t.long()].view(-1, 1, 1, 1)
         expected = (x - (1 - abar).sqrt() * out) / abar.sqrt()
-    torch.testing.assert_close(adapter.to_x0(out, x, t), expected)
+    torch.testing.assert_close(a.to_x0(out, x, t), expected)
 
 
 def test_save_and_load_through_from_pretrained(adapter, tmp_path):

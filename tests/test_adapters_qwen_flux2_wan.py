@@ -14,30 +14,11 @@ import torch
 
 from diffalign.adapters import FAMILIES, PIPELINE_FAMILIES, PromptEmbeds, load_adapter
 from diffalign.errors import ModelLoadError, RewardError
+from tests.helpers.adapters import PROMPTS, PX, one_thread, tiny_adapters, times  # noqa: F401 (fixtures)
 from tests.helpers.tiny_run import FAST, run_cli
 
 FAMILY_NAMES = ["qwen", "flux2", "wan"]
-PX = 32  # image / frame size of every test
-PROMPTS = ["a red circle", "two blue squares"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models are dominated by per-op overhead; one thread is fastest on a shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module", params=FAMILY_NAMES)
-def adapter(request):
-    return load_adapter(f"tiny:{request.param}", seed=0)
-
-
-def times(adapter, num_steps=4):
-    """Two different, valid, non-final times from the adapter's own schedule."""
-    return adapter.make_schedule(num_steps, PX, PX)[[0, 2]]
+adapter = tiny_adapters(FAMILY_NAMES)
 
 
 def guide(adapter, uncond, cond, g):

@@ -1,8 +1,8 @@
 """SDXL and Sana adapters on tiny random pipelines built in code.
 
-The same checks as ``test_adapters.py`` (shapes, CFG in one forward, Tweedie, save / load,
-schedule == stock scheduler, 2-step sample == the stock pipeline) plus what is particular to
-each family: SDXL's micro-conditioning and fp16 VAE upcast, Sana's integer timesteps, scheduler
+The checks every adapter passes (shapes, CFG in one forward, Tweedie) run on both in
+``test_adapters.py``. Here: save / load, schedule == stock scheduler, 2-step sample == the stock
+pipeline, and what is particular to each family: SDXL's micro-conditioning and fp16 VAE upcast, Sana's integer timesteps, scheduler
 variants and complex human instruction; and one training iteration of each through the CLI.
 """
 
@@ -12,31 +12,12 @@ import os
 import pytest
 import torch
 
-from diffalign.adapters import FAMILIES, PIPELINE_FAMILIES, PromptEmbeds, load_adapter
+from diffalign.adapters import FAMILIES, PIPELINE_FAMILIES, load_adapter
 from diffalign.errors import ModelLoadError
+from tests.helpers.adapters import PROMPTS, PX, one_thread, tiny_adapters, times  # noqa: F401 (fixtures)
 
 FAMILY_NAMES = ["sdxl", "sana"]
-PX = 32  # image size of every test
-PROMPTS = ["a red circle", "two blue squares"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models are dominated by per-op overhead; one thread is fastest on a shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module", params=FAMILY_NAMES)
-def adapter(request):
-    return load_adapter(f"tiny:{request.param}", seed=0)
-
-
-def times(adapter, num_steps=4):
-    """Two different, valid, non-final times from the adapter's own schedule."""
-    return adapter.make_schedule(num_steps, PX, PX)[[0, 2]]
+adapter = tiny_adapters(FAMILY_NAMES)
 
 
 def test_registered():
@@ -53,76 +34,6 @@ def test_tiny_build_facts(adapter):
     names = [n for n, _ in adapter.denoiser.named_modules()]
     for target in adapter.default_lora_targets:  # peft matches by suffix
         assert any(n == target or n.endswith("." + target) for n in names), target
-
-
-def test_encode_predict_decode_shapes(adapter):
-    e = adapter.encode_prompts(PROMPTS, with_uncond=True)
-    assert len(e) == 2 and e.uncond is not None and e.uncond.keys() == e.cond.keys()
-    assert all(v.shape[0] == 2 for v in [*e.cond.values(), *e.uncond.values()])
-    assert adapter.encode_prompts(PROMPTS, with_uncond=False).uncond is None
-
-    x = adapter.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(0))
-    assert x.shape == (2, *adapter.latent_shape(PX, PX)) and x.dtype == torch.float32
-    with torch.no_grad():
-        out = adapter.predict(x, times(adapter), e, guidance_scale=3.0)
-    assert out.shape == x.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
-
-    images = adapter.decode(x)
-    assert images.shape == (2, 3, PX, PX) and images.dtype == torch.float32
-    assert images.min() >= 0 and images.max() <= 1
-    with pytest.raises(ValueError):
-        adapter.latent_shape(PX + 1, PX)
-
-
-def test_different_prompts_give_different_outputs(adapter):
-    e = adapter.encode_prompts(PROMPTS, with_uncond=False)
-    x = adapter.prepare_noise(1, PX, PX, generator=torch.Generator().manual_seed(1)).repeat(2, 1, 1, 1)
-    t = times(adapter)[:1].repeat(2)
-    with torch.no_grad():
-        out = adapter.predict(x, t, e)
-    assert (out[0] - out[1]).abs().max() > 1e-4
-
-
-def test_cfg_is_one_batched_forward_of_the_formula(adapter):
-    e = adapter.encode_prompts(PROMPTS, with_uncond=True)
-    x = adapter.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(2))
-    t, g = times(adapter), 4.5
-    calls = []
-    hook = adapter.denoiser.register_forward_hook(lambda module, args, output: calls.append(1))
-    try:
-        with torch.no_grad():
-            guided = adapter.predict(x, t, e, guidance_scale=g)
-            assert len(calls) == 1  # uncond and cond rows in one forward
-            cond = adapter.predict(x, t, PromptEmbeds(e.cond))
-            uncond = adapter.predict(x, t, PromptEmbeds(e.uncond))
-            torch.testing.assert_close(adapter.predict(x, t, e, guidance_scale=1.0), cond, rtol=1e-4, atol=1e-5)
-    finally:
-        hook.remove()
-    torch.testing.assert_close(guided, uncond + g * (cond - uncond), rtol=1e-4, atol=1e-4)
-
-
-def test_per_sample_times(adapter):
-    e = adapter.encode_prompts(PROMPTS, with_uncond=True)
-    x = adapter.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(3))
-    t = times(adapter)
-    with torch.no_grad():
-        both = adapter.predict(x, t, e, guidance_scale=2.0)
-        for i in range(2):
-            one = adapter.predict(x[i : i + 1], t[i : i + 1], e.select([i]), guidance_scale=2.0)
-            torch.testing.assert_close(both[i : i + 1], one, rtol=1e-4, atol=1e-5)
-
-
-def test_to_x0_formula(adapter):
-    gen = torch.Generator().manual_seed(4)
-    x = adapter.prepare_noise(2, PX, PX, generator=gen)
-    out = torch.randn(x.shape, generator=gen)
-    t = times(adapter)
-    if adapter.prediction_type == "flow":
-        expected = x - t.view(-1, 1, 1, 1) * out
-    else:
-        abar = adapter.alphas_cumprod[t.long()].view(-1, 1, 1, 1)
-        expected = (x - (1 - abar).sqrt() * out) / abar.sqrt()
-    torch.testing.assert_close(adapter.to_x0(out, x, t), expected)
 
 
 def test_save_and_load_through_from_pretrained(adapter, tmp_path):

@@ -74,12 +74,11 @@ class FluxAdapter(ModelAdapter):
         self,
         pipeline,
         *,
-        device="cpu",
-        dtype=torch.float32,
         guidance: float = FLUX_DEV_GUIDANCE,
         max_sequence_length: Optional[int] = None,
+        **base,  # device, dtype: see ModelAdapter
     ):
-        super().__init__(pipeline, device=device, dtype=dtype)
+        super().__init__(pipeline, **base)
         self.guidance = guidance
         tok = pipeline.tokenizer_2
         limit = tok.model_max_length if tok is not None else FLUX_MAX_SEQUENCE_LENGTH

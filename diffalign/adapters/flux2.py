@@ -66,12 +66,11 @@ class Flux2Adapter(ModelAdapter):
         self,
         pipeline,
         *,
-        device="cpu",
-        dtype=torch.float32,
         max_sequence_length: int = FLUX2_MAX_SEQUENCE_LENGTH,
         text_encoder_out_layers: Sequence[int] = FLUX2_TEXT_LAYERS,
+        **base,  # device, dtype: see ModelAdapter
     ):
-        super().__init__(pipeline, device=device, dtype=dtype)
+        super().__init__(pipeline, **base)
         self.max_sequence_length = max_sequence_length
         self.text_encoder_out_layers = tuple(text_encoder_out_layers)
         self.is_distilled = bool(pipeline.config.get("is_distilled", False))

@@ -67,12 +67,11 @@ class QwenImageAdapter(ModelAdapter):
         self,
         pipeline,
         *,
-        device="cpu",
-        dtype=torch.float32,
         max_sequence_length: int = QWEN_MAX_SEQUENCE_LENGTH,
         negative_prompt: str = QWEN_NEGATIVE_PROMPT,
+        **base,  # device, dtype: see ModelAdapter
     ):
-        super().__init__(pipeline, device=device, dtype=dtype)
+        super().__init__(pipeline, **base)
         if pipeline.transformer.config.guidance_embeds:
             raise ModelLoadError("qwen: guidance-distilled transformers (guidance_embeds=True) are not supported")
         if not 1 <= max_sequence_length <= pipeline.tokenizer_max_length:

@@ -72,12 +72,11 @@ class SanaAdapter(ModelAdapter):
         self,
         pipeline,
         *,
-        device="cpu",
-        dtype=torch.float32,
         max_sequence_length: int = SANA_MAX_SEQUENCE_LENGTH,
         complex_human_instruction: ComplexHumanInstruction = False,
+        **base,  # device, dtype: see ModelAdapter
     ):
-        super().__init__(pipeline, device=device, dtype=dtype)
+        super().__init__(pipeline, **base)
         config = pipeline.scheduler.config
         if not is_flow_scheduler(pipeline.scheduler):
             raise ModelLoadError(

@@ -60,13 +60,12 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
         self,
         pipeline,
         *,
-        device="cpu",
-        dtype=torch.float32,
         original_size: Optional[Size] = None,
         crops_coords_top_left: Size = (0, 0),
         target_size: Optional[Size] = None,
+        **base,  # device, dtype: see ModelAdapter
     ):
-        super().__init__(pipeline, device=device, dtype=dtype)
+        super().__init__(pipeline, **base)
         self._init_ddim(pipeline)  # scheduler, model_prediction_type, vae_scale_factor, default_resolution
         self.original_size = None if original_size is None else tuple(original_size)
         self.crops_coords_top_left = tuple(crops_coords_top_left)

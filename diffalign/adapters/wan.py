@@ -60,11 +60,10 @@ class WanAdapter(ModelAdapter):
         self,
         pipeline,
         *,
-        device="cpu",
-        dtype=torch.float32,
         num_frames: int = WAN_NUM_FRAMES,
         max_sequence_length: int = WAN_MAX_SEQUENCE_LENGTH,
         negative_prompt: str = "",
+        **base,  # device, dtype: see ModelAdapter
     ):
         if pipeline.transformer is None or pipeline.transformer_2 is not None or pipeline.config.get("boundary_ratio") is not None:
             raise ModelLoadError("wan: only one-transformer (Wan2.1) pipelines are supported, not Wan2.2's two experts")
@@ -72,7 +71,7 @@ class WanAdapter(ModelAdapter):
             raise ModelLoadError("wan: expand_timesteps (Wan2.2 TI2V) is not supported")
         if not is_flow_scheduler(pipeline.scheduler):
             raise ModelLoadError(f"wan: scheduler {type(pipeline.scheduler).__name__!r} is not a flow scheduler")
-        super().__init__(pipeline, device=device, dtype=dtype)
+        super().__init__(pipeline, **base)
         self.temporal_factor = pipeline.vae_scale_factor_temporal
         self.spatial_factor = pipeline.vae_scale_factor_spatial
         if num_frames < 1 or (num_frames - 1) % self.temporal_factor:

@@ -95,23 +95,15 @@ class DenseTrajectory(Trajectory):
 
 @torch.no_grad()
 def sample_linear_dense(
-    adapter: ModelAdapter,
-    kernel: Kernel,
-    embeds: PromptEmbeds,
-    schedule: torch.Tensor,
-    sde_mask: torch.Tensor,
-    *,
-    guidance_scale: float,
-    height: int,
-    width: int,
-    substeps: int,
-    generator: Optional[torch.Generator] = None,
-    noise: Optional[torch.Tensor] = None,
-    step_noise: Optional[torch.Tensor] = None,
+    adapter: ModelAdapter, kernel: Kernel, embeds: PromptEmbeds, schedule: torch.Tensor, sde_mask: torch.Tensor, *,
+    guidance_scale: float, substeps: int, **sampling,
 ) -> DenseTrajectory:
     """The rollout of :func:`diffalign.sampling.sample_linear` (same noise use, same states and
-    log-probs) plus the clean estimate of every state (:func:`refine_x0` with ``substeps``)."""
+    log-probs; ``sampling`` holds its other keywords: ``height``, ``width``, ``generator``, ``noise``,
+    ``step_noise``) plus the clean estimate of every state (:func:`refine_x0` with ``substeps``)."""
     check_flow(adapter, "a dense (Tweedie) rollout")
+    if "on_step" in sampling or "keep_latents" in sampling:
+        raise TypeError("sample_linear_dense: on_step and keep_latents are its own (every latent is kept)")
     estimates: list[torch.Tensor] = []
     step_std = torch.zeros(len(schedule) - 1, dtype=torch.float32)
 
@@ -120,8 +112,8 @@ def sample_linear_dense(
                                    substeps=substeps))
         step_std[step.index] = float(step.out.std.flatten()[0]) if step.sde else 0.0
 
-    traj = sample_linear(adapter, kernel, embeds, schedule, sde_mask, guidance_scale=guidance_scale, height=height,
-                         width=width, generator=generator, noise=noise, step_noise=step_noise, on_step=estimate)
+    traj = sample_linear(adapter, kernel, embeds, schedule, sde_mask, guidance_scale=guidance_scale, on_step=estimate,
+                         **sampling)
     estimates.append(traj.latents[:, -1])  # the final state is scored on the real sample
     extra = max(substeps - 1, 0) * len(step_std)  # the first substep reuses the rollout's own forward
     return DenseTrajectory(**vars(traj), step_std=step_std, x0_estimates=torch.stack(estimates, 1), extra_forwards=extra)
