@@ -57,17 +57,13 @@ class PickScore(ClipScore):
         self.model_id = str(model)
 
     @classmethod
-    def from_components(  # type: ignore[override]
-        cls,
-        model: torch.nn.Module,
-        tokenizer: Any,
-        image_processor_config: dict[str, Any] | None = None,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        batch_size: int = 32,
-    ) -> "PickScore":
-        """Wrap an already-built ``CLIPModel``; the scale is its ``exp(logit_scale)``."""
-        return super().from_components(model, tokenizer, image_processor_config, device, dtype, batch_size, learned_scale(model))
+    def from_components(cls, model: torch.nn.Module, tokenizer: Any, *args, **kwargs) -> "PickScore":  # type: ignore[override]
+        """Wrap an already-built ``CLIPModel`` as :meth:`ClipScore.from_components` does (its
+        ``image_processor_config``, ``device``, ``dtype``, ``batch_size``); the scale is the model's
+        ``exp(logit_scale)`` and there is no ``clip_negative``."""
+        if len(args) > 4 or {"scale", "clip_negative"} & kwargs.keys():
+            raise TypeError("PickScore.from_components: the scale is the model's own; no clip_negative")
+        return super().from_components(model, tokenizer, *args, scale=learned_scale(model), **kwargs)
 
     @staticmethod
     def _load_pickscore(model: str, processor: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, dict | None]:
