@@ -24,19 +24,14 @@ LORA = "final/pytorch_lora_weights.safetensors"
 FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "train.ema.enabled=false",
         "max_iterations=2", "eval.every=0", "checkpoint.every=0", *COMPARABLE, "--overwrite"]
 # (config, overrides for both, one process, two processes): the same global batch either way
+SPLIT_PROMPTS = (["rollout.prompts_per_iteration=2"], ["rollout.prompts_per_iteration=1"])  # two prompts, one per process
 OTHER_ALGORITHMS = {
-    "stepwise_flow_grpo": ("configs/tiny/stepwise_flow_grpo_sd3.yaml", ["optim.lr=1", "train.batch_size=64"],
-                           ["rollout.prompts_per_iteration=2"], ["rollout.prompts_per_iteration=1"]),
-    "branch_grpo": ("configs/tiny/branch_grpo_sd3.yaml", ["optim.lr=20", "train.batch_size=64"],
-                    ["rollout.prompts_per_iteration=2"], ["rollout.prompts_per_iteration=1"]),
-    "diffusion_nft": ("configs/tiny/diffusion_nft_sd3.yaml", ["optim.lr=2", "train.batch_size=64"],
-                      ["rollout.prompts_per_iteration=2"], ["rollout.prompts_per_iteration=1"]),
-    "awm": ("configs/tiny/awm.yaml", ["optim.lr=2", "train.batch_size=64"],
-            ["rollout.prompts_per_iteration=2"], ["rollout.prompts_per_iteration=1"]),
-    "flow_grpo_guard": ("configs/tiny/flow_grpo_guard.yaml", ["optim.lr=5", "train.batch_size=64"],
-                        ["rollout.prompts_per_iteration=2"], ["rollout.prompts_per_iteration=1"]),
-    "spo": ("configs/tiny/spo_sd15.yaml", ["optim.lr=0.5", "train.batch_size=64"],
-            ["rollout.prompts_per_iteration=2"], ["rollout.prompts_per_iteration=1"]),
+    "stepwise_flow_grpo": ("configs/tiny/stepwise_flow_grpo_sd3.yaml", ["optim.lr=1", "train.batch_size=64"], *SPLIT_PROMPTS),
+    "branch_grpo": ("configs/tiny/branch_grpo_sd3.yaml", ["optim.lr=20", "train.batch_size=64"], *SPLIT_PROMPTS),
+    "diffusion_nft": ("configs/tiny/diffusion_nft_sd3.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
+    "awm": ("configs/tiny/awm.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
+    "flow_grpo_guard": ("configs/tiny/flow_grpo_guard.yaml", ["optim.lr=5", "train.batch_size=64"], *SPLIT_PROMPTS),
+    "spo": ("configs/tiny/spo_sd15.yaml", ["optim.lr=0.5", "train.batch_size=64"], *SPLIT_PROMPTS),
     "diffusion_dpo": ("configs/shapes/diffusion_dpo.yaml",
                       ["optim.lr=1e-2", "model.id=tiny:shapes", "prompts.families=[single_object]",
                        "algorithm.generate_images_per_prompt=2", "train.optimizer_steps_per_iteration=2"],
