@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 from diffalign.errors import ConfigError
 from diffalign.algorithms.grpo_guard import GuardOptions
@@ -369,6 +369,23 @@ def check(ok: bool, key: str, message: str) -> None:
     """Raise ``ConfigError`` naming ``key`` unless ``ok`` (the validators of every config section use it)."""
     if not ok:
         raise ConfigError(f"config key '{key}' {message}")
+
+
+RANGES = {  # rule name of check_ranges -> (test, message)
+    "positive": (lambda v: v > 0, "must be > 0"),
+    "nonnegative": (lambda v: v >= 0, "must be >= 0"),
+    "fraction": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "decay": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+}
+
+
+def check_ranges(section, prefix: str, **fields_by_rule: Sequence[str]) -> None:
+    """:func:`check` each named numeric field of ``section`` against its rule of :data:`RANGES`,
+    e.g. ``check_ranges(self, "algorithm", positive=("adv_clip",), fraction=("timestep_fraction",))``."""
+    for rule, names in fields_by_rule.items():
+        test, message = RANGES[rule]
+        for name in names:
+            check(test(getattr(section, name)), f"{prefix}.{name}", message)
 
 
 # Reading configs (YAML, overrides, coercion) lives in diffalign.config_files, which imports this

@@ -91,7 +91,8 @@ def is_bound_key(key: str) -> bool:
     return key.endswith(("_lo", "_hi"))
 
 
-def _autocast(dtype: torch.dtype | None, device_type: str):
+def maybe_autocast(dtype: torch.dtype | None, device_type: str):
+    """``torch.autocast`` to ``dtype`` on ``device_type``, or a no-op context when ``dtype`` is None."""
     return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
@@ -130,7 +131,7 @@ def evaluate_shapes(
         raise ValueError("no prompts to evaluate")
     resolution = resolution or adapter.default_resolution
     t0 = time.perf_counter()
-    with _autocast(autocast_dtype, torch.device(adapter.device).type):
+    with maybe_autocast(autocast_dtype, torch.device(adapter.device).type):
         images = sample_images(adapter, items, num_steps=num_steps, guidance_scale=guidance_scale, resolution=resolution,
                                seed=seed, batch_size=batch_size, progress=f"sampling {len(items)} images")
     records = shapes_records(images, items)
@@ -165,7 +166,7 @@ def evaluate_adapter(
     extra = {label: (name, reward_models.build(name, device=str(adapter.device), **(kw or {})))
              for label, (name, kw) in (extra_rewards or {}).items()}
     all_prompts = [p for p in prompts for _ in range(samples_per_prompt)]
-    with _autocast(autocast_dtype, torch.device(adapter.device).type):
+    with maybe_autocast(autocast_dtype, torch.device(adapter.device).type):
         images = sample_images(adapter, all_prompts, num_steps=num_steps, guidance_scale=guidance_scale,
                                resolution=resolution or adapter.default_resolution, seed=seed, batch_size=batch_size,
                                progress=f"sampling {len(all_prompts)} images")

@@ -23,6 +23,7 @@ fractions).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -35,6 +36,7 @@ import torch
 
 from diffalign.errors import DiffalignError
 from diffalign.prompts import jsonl_objects
+from diffalign.sampling.linear import SampleSpec
 
 #: GenEval's tasks in the order of the Flow-GRPO paper's table, with its column names
 TASKS = {"single_object": "Single Obj.", "two_object": "Two Obj.", "counting": "Counting", "colors": "Colors",
@@ -95,35 +97,28 @@ def evaluate_geneval(
     reward_fn: Callable,
     *,
     images_per_prompt: int = 4,
-    num_steps: int = 40,
-    guidance_scale: float = 4.5,
-    resolution: int | None = None,
-    seed: int = 1234,
-    batch_size: int = 32,
+    sampling: SampleSpec = SampleSpec(num_steps=40, seed=1234),
     autocast_dtype: torch.dtype | None = None,
     show_progress: bool = True,
 ) -> GenEvalResult:
     """Sample ``images_per_prompt`` images per metadata entry and judge each with ``reward_fn``
     (``images, prompts, metadata -> (B,)``; the entry is the image's metadata). Batches of
-    ``batch_size`` images are sampled and scored in turn (memory stays one batch); batch k uses
-    noise seed ``seed + k``, so the evaluation is the same for every model at the same seed."""
+    ``sampling.batch_size`` images are sampled and scored in turn (memory stays one batch); batch k
+    uses noise seed ``sampling.seed + k``, so the evaluation is the same for every model at the same
+    seed."""
     from diffalign import progress
-    from diffalign.evaluation import _autocast
-    from diffalign.sampling import sample_images
-
+    from diffalign.evaluation import maybe_autocast
     if images_per_prompt < 1:
         raise DiffalignError(f"--images-per-prompt must be >= 1, got {images_per_prompt}")
     items = [(i, e) for i, e in enumerate(entries) for _ in range(images_per_prompt)]
-    resolution = resolution or adapter.default_resolution
     t0 = time.perf_counter()
     records: list[dict] = []
     bar = progress.bar(total=len(items), desc="geneval images", unit="img", disable=not show_progress)
-    for k, start in enumerate(range(0, len(items), batch_size)):
-        chunk = items[start : start + batch_size]
+    for k, start in enumerate(range(0, len(items), sampling.batch_size)):
+        chunk = items[start : start + sampling.batch_size]
         prompts = [e["prompt"] for _, e in chunk]
-        with _autocast(autocast_dtype, torch.device(adapter.device).type):
-            images = sample_images(adapter, prompts, num_steps=num_steps, guidance_scale=guidance_scale,
-                                   resolution=resolution, seed=seed + k, batch_size=batch_size)
+        with maybe_autocast(autocast_dtype, torch.device(adapter.device).type):
+            images = sampling.sample(adapter, prompts, seed_offset=k)
         scores = reward_fn(images, prompts, [dict(e) for _, e in chunk])
         scores = torch.as_tensor(scores, dtype=torch.float32).reshape(-1)
         if scores.numel() != len(chunk):
@@ -133,8 +128,8 @@ def evaluate_geneval(
                             "correct": bool(score >= CORRECT)})
         bar.update(len(chunk))
     bar.close()
-    meta = {"num_prompts": len(entries), "images_per_prompt": images_per_prompt, "num_steps": num_steps,
-            "guidance_scale": guidance_scale, "resolution": resolution, "seed": seed, "batch_size": batch_size}
+    meta = {"num_prompts": len(entries), "images_per_prompt": images_per_prompt,
+            **dataclasses.asdict(sampling), "resolution": sampling.side(adapter)}
     return GenEvalResult(records, time.perf_counter() - t0, meta)
 
 
@@ -183,8 +178,8 @@ def run_from_args(args) -> int:
         progress.phase(f"geneval: {name} on {len(entries)} prompts x {args.images_per_prompt} images, judged by {judge} ...")
         adapter = load_trained_adapter(path) if (path / "final").is_dir() or (path / "diffalign.json").is_file() \
             else load_adapter(model_ref)
-        result = evaluate_geneval(adapter, entries, reward_fn, images_per_prompt=args.images_per_prompt, num_steps=args.steps,
-                                  guidance_scale=args.guidance_scale, seed=args.seed, batch_size=args.batch_size,
+        sampling = SampleSpec(num_steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed, batch_size=args.batch_size)
+        result = evaluate_geneval(adapter, entries, reward_fn, images_per_prompt=args.images_per_prompt, sampling=sampling,
                                   autocast_dtype=args.autocast_dtype)
         progress.phase(f"  {len(result.records)} images in {result.seconds:.0f} s")
         results[name], per_image[name] = result, result.to_json()

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from diffalign.errors import DiffalignError
+from diffalign.sampling.linear import SampleSpec
 
 PAIRS_FILE = "pairs.jsonl"
 IMAGES_DIR = "images"
@@ -367,32 +368,25 @@ def generate_pairs(
     reward_fn: Callable,
     *,
     images_per_prompt: int = 4,
-    num_steps: int = 20,
-    guidance_scale: float = 4.5,
-    resolution: Optional[int] = None,
-    seed: int = 0,
-    batch_size: int = 32,
+    sampling: SampleSpec = SampleSpec(),
     keep_ties: bool = True,
     reward_name: str = "reward",
 ) -> tuple[PairSet, dict]:
-    """Sample ``images_per_prompt`` images of every prompt (deterministic sampler, seed ``seed``),
+    """Sample ``images_per_prompt`` images of every prompt (deterministic sampler, ``sampling``),
     score them with ``reward_fn`` and pair them up with :func:`label_pairs`.
 
     Returns the pairs and statistics: ``images``, ``pairs``, ``ties`` (pairs with equal rewards,
     whether kept or not), ``reward_mean``.
     """
     import reward_models
-    from diffalign.sampling import sample_images
 
     if images_per_prompt < 2:
         raise DiffalignError(f"generating pairs needs at least 2 images per prompt, got {images_per_prompt}")
-    resolution = resolution or adapter.default_resolution
     expanded = [p for p in prompts for _ in range(images_per_prompt)]
-    images = sample_images(adapter, expanded, num_steps=num_steps, guidance_scale=guidance_scale, resolution=resolution,
-                           seed=seed, batch_size=batch_size, progress=f"pairs: sampling {len(expanded)} images")
+    images = sampling.sample(adapter, expanded, progress=f"pairs: sampling {len(expanded)} images")
     rewards = []
-    for start in range(0, len(expanded), batch_size):
-        chunk = slice(start, start + batch_size)
+    for start in range(0, len(expanded), sampling.batch_size):
+        chunk = slice(start, start + sampling.batch_size)
         value = reward_fn(images[chunk], expanded[chunk], [{} for _ in expanded[chunk]])
         rewards.append(reward_models.check_reward_output(reward_name, value, len(expanded[chunk])))
     rewards_t = torch.cat(rewards)

@@ -50,7 +50,18 @@ def latent_image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
-class FluxAdapter(ModelAdapter):
+class PackedFlowAdapter(ModelAdapter):
+    """Base of the flow-matching MMDiTs whose pipelines pack 2x2 latent pixels into one token
+    (FLUX.1, Qwen-Image): ``predict`` packs with :func:`pack_latents` and unpacks the velocity,
+    so samplers see ordinary ``(C, h, w)`` latents. LoRA goes on the joint-attention projections
+    (image and text streams), as in Flow-GRPO."""
+
+    prediction_type = "flow"
+    default_lora_targets = FLOW_GRPO_LORA_TARGETS
+    latent_packing = 2
+
+
+class FluxAdapter(PackedFlowAdapter):
     """Adapter for ``FluxPipeline``.
 
     Args:
@@ -62,13 +73,10 @@ class FluxAdapter(ModelAdapter):
     """
 
     family = "flux"
-    prediction_type = "flow"
-    default_resolution = 1024
-    default_lora_targets = FLOW_GRPO_LORA_TARGETS  # the double-stream blocks, as in Flow-GRPO
-    pipeline_class = "FluxPipeline"
-    options = ("guidance", "max_sequence_length")
-    latent_packing = 2  # 2x2 latent pixels per token, packed in predict
     display_name = "FLUX"
+    pipeline_class = "FluxPipeline"
+    default_resolution = 1024
+    options = ("guidance", "max_sequence_length")
 
     def __init__(
         self,

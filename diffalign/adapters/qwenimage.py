@@ -28,9 +28,8 @@ import torch
 
 from ..errors import ModelLoadError
 from ._util import denormalize_latents, module_dtype, pipeline_sigmas, scheduler_sigmas, shift_mu, to_unit_range
-from .base import ModelAdapter, PromptEmbeds
-from .flux import pack_latents, unpack_latents
-from .sd3 import FLOW_GRPO_LORA_TARGETS
+from .base import PromptEmbeds
+from .flux import PackedFlowAdapter, pack_latents, unpack_latents
 
 QWEN_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default text length
 QWEN_NEGATIVE_PROMPT = " "  # the negative prompt of Qwen-Image's model card example
@@ -43,7 +42,7 @@ def rescaled_cfg(uncond: torch.Tensor, cond: torch.Tensor, guidance_scale: float
     return comb * (cond.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
 
 
-class QwenImageAdapter(ModelAdapter):
+class QwenImageAdapter(PackedFlowAdapter):
     """Adapter for ``QwenImagePipeline``.
 
     Args:
@@ -54,14 +53,10 @@ class QwenImageAdapter(ModelAdapter):
     """
 
     family = "qwen"
-    prediction_type = "flow"
-    default_resolution = 1024
-    # The same joint-attention projections as SD3 (to_* image stream, add_* text stream).
-    default_lora_targets = FLOW_GRPO_LORA_TARGETS
-    pipeline_class = "QwenImagePipeline"
-    options = ("max_sequence_length", "negative_prompt")
-    latent_packing = 2  # 2x2 latent pixels per token, packed in predict
     display_name = "Qwen-Image"
+    pipeline_class = "QwenImagePipeline"
+    default_resolution = 1024
+    options = ("max_sequence_length", "negative_prompt")
 
     def __init__(
         self,

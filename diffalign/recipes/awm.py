@@ -23,7 +23,7 @@ import torch
 
 from diffalign.algorithms.awm import WEIGHTINGS, awm_loss, stratified_levels
 from diffalign.algorithms.diffusion_nft import ema_update_, old_policy_decay
-from diffalign.config import AlgorithmConfig, check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check, check_ranges, register_algorithm_config
 from diffalign.recipes.diffusion_nft import OLD_ADAPTER, DiffusionNFTTrainer, SeededSamples
 
 
@@ -65,16 +65,10 @@ class AWMConfig(AlgorithmConfig):
 
     def validate(self, prefix: str = "algorithm") -> None:
         check(self.weighting in WEIGHTINGS, f"{prefix}.weighting", f"must be one of {', '.join(WEIGHTINGS)}")
-        check(self.ghuber_power > 0, f"{prefix}.ghuber_power", "must be > 0")
-        check(self.adv_clip > 0, f"{prefix}.adv_clip", "must be > 0")
-        check(self.advantage_max > 0, f"{prefix}.advantage_max", "must be > 0")
         check(self.train_timesteps >= 1, f"{prefix}.train_timesteps", "must be >= 1")
-        check(0 < self.timestep_fraction <= 1, f"{prefix}.timestep_fraction", "must be in (0, 1]")
-        check(self.kl_beta >= 0, f"{prefix}.kl_beta", "must be >= 0")
-        check(self.ema_kl_beta >= 0, f"{prefix}.ema_kl_beta", "must be >= 0")
-        check(self.ema_decay_rate >= 0, f"{prefix}.ema_decay_rate", "must be >= 0")
-        check(0 <= self.ema_decay_max < 1, f"{prefix}.ema_decay_max", "must be in [0, 1)")
-        check(self.train_guidance_scale >= 0, f"{prefix}.train_guidance_scale", "must be >= 0")
+        check_ranges(self, prefix, positive=("ghuber_power", "adv_clip", "advantage_max"),
+                     nonnegative=("kl_beta", "ema_kl_beta", "ema_decay_rate", "train_guidance_scale"),
+                     fraction=("timestep_fraction",), decay=("ema_decay_max",))
 
 
 class AWMTrainer(DiffusionNFTTrainer):

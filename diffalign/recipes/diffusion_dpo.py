@@ -33,6 +33,7 @@ from diffalign.forward_process import add_noise, denoising_target, encode_images
 from diffalign.pairs import PairSet, generate_pairs, read_pairs, write_pairs
 from diffalign.images import resize
 from diffalign.prompts import PromptSampler
+from diffalign.sampling.linear import SampleSpec
 from diffalign.trainer import Trainer
 
 GENERATED_PAIRS_DIR = "pairs"  # under the run directory
@@ -107,8 +108,8 @@ class DiffusionDPOTrainer(Trainer):
             with self.autocast():
                 pairs, stats = generate_pairs(
                     self.adapter, self.train_prompts, self.reward_fn, images_per_prompt=self.algo.generate_images_per_prompt,
-                    num_steps=self.cfg.sampling.eval_num_steps, guidance_scale=self.cfg.sampling.guidance_scale,
-                    resolution=self.resolution, seed=self.algo.generate_seed, batch_size=self.cfg.eval.batch_size,
+                    sampling=SampleSpec(num_steps=self.cfg.sampling.eval_num_steps, guidance_scale=self.cfg.sampling.guidance_scale,
+                                        resolution=self.resolution, seed=self.algo.generate_seed, batch_size=self.cfg.eval.batch_size),
                     keep_ties=False, reward_name=self.cfg.reward.name,
                 )
             if self.accelerator.is_main_process:

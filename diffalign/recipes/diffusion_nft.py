@@ -33,7 +33,7 @@ import torch
 
 from diffalign.adapters.base import PromptEmbeds
 from diffalign.algorithms.diffusion_nft import ema_update_, nft_loss, old_policy_decay
-from diffalign.config import AlgorithmConfig, check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check_ranges, register_algorithm_config
 from diffalign.errors import ConfigError
 from diffalign.sampling.seeded import SEED_HIGH, sample_seeded, seed_noise
 from diffalign.trainer import Trainer
@@ -66,16 +66,9 @@ class DiffusionNFTConfig(AlgorithmConfig):
     weight_min: float = 1.0e-5  # floor of the adaptive weight (mean |x0_hat - x0|)
 
     def validate(self, prefix: str = "algorithm") -> None:
-        check(self.nft_beta > 0, f"{prefix}.nft_beta", "must be > 0")
-        check(self.adv_clip > 0, f"{prefix}.adv_clip", "must be > 0")
-        check(self.policy_loss_scale > 0, f"{prefix}.policy_loss_scale", "must be > 0")
-        check(self.kl_beta >= 0, f"{prefix}.kl_beta", "must be >= 0")
-        check(0 < self.train_timestep_fraction <= 1, f"{prefix}.train_timestep_fraction", "must be in (0, 1]")
-        check(self.old_decay_rate >= 0, f"{prefix}.old_decay_rate", "must be >= 0")
-        check(0 <= self.old_decay_max < 1, f"{prefix}.old_decay_max", "must be in [0, 1)")
-        check(self.old_decay_flat >= 0, f"{prefix}.old_decay_flat", "must be >= 0")
-        check(self.train_guidance_scale >= 0, f"{prefix}.train_guidance_scale", "must be >= 0")
-        check(self.weight_min > 0, f"{prefix}.weight_min", "must be > 0")
+        check_ranges(self, prefix, positive=("nft_beta", "adv_clip", "policy_loss_scale", "weight_min"),
+                     nonnegative=("kl_beta", "old_decay_rate", "old_decay_flat", "train_guidance_scale"),
+                     fraction=("train_timestep_fraction",), decay=("old_decay_max",))
 
 
 @dataclass

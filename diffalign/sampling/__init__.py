@@ -19,6 +19,7 @@ from diffalign.sampling.linear import (
     Trajectory,
     build_kernel,
     draw_noise,
+    SampleSpec,
     sample_images,
     sample_linear,
     sde_window_mask,
@@ -28,7 +29,7 @@ from diffalign.sampling.dense import MAX_SUBSTEPS, DenseTrajectory, refine_x0, s
 from diffalign.sampling.tree import TreeTrajectory, expected_forwards, sample_tree
 
 __all__ = [
-    "FLOW_KERNELS", "Kernel", "LinearStep", "Trajectory", "build_kernel", "draw_noise", "sample_images",
+    "FLOW_KERNELS", "Kernel", "LinearStep", "Trajectory", "build_kernel", "draw_noise", "SampleSpec", "sample_images",
     "sample_linear", "sde_window_mask",
     "SEED_HIGH", "ode_kernel", "sample_seeded", "seed_noise",
     "MAX_SUBSTEPS", "DenseTrajectory", "refine_x0", "sample_linear_dense",

@@ -257,3 +257,25 @@ def sample_images(
     if bar is not None:
         bar.close()
     return torch.cat(out)
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How :func:`sample_images` draws a set of images: ODE / DDIM steps, CFG scale, image side
+    (None: the adapter's default), noise seed and images per batch. Evaluations and
+    preference-pair generation take one instead of five loose arguments."""
+
+    num_steps: int = 20
+    guidance_scale: float = 4.5
+    resolution: Optional[int] = None
+    seed: int = 0
+    batch_size: int = 32
+
+    def side(self, adapter: ModelAdapter) -> int:
+        return self.resolution or adapter.default_resolution
+
+    def sample(self, adapter: ModelAdapter, prompts: list[str], *, seed_offset: int = 0, progress: Optional[str] = None) -> torch.Tensor:
+        """:func:`sample_images` of ``prompts`` with this spec and noise seed ``seed + seed_offset``."""
+        return sample_images(adapter, prompts, num_steps=self.num_steps, guidance_scale=self.guidance_scale,
+                             resolution=self.side(adapter), seed=self.seed + seed_offset, batch_size=self.batch_size,
+                             progress=progress)

@@ -285,6 +285,7 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
     from diffalign.adapters import load_adapter
     from diffalign.algorithms.spo import pair_accuracy, spm_pair_loss
     from diffalign.pairs import PairSet, generate_pairs, read_pairs, write_pairs
+    from diffalign.sampling.linear import SampleSpec
     from diffalign.spo.model import build_spm
     from diffalign.adapters.base import DTYPES
     from diffalign import progress
@@ -319,9 +320,10 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
     else:
         log(f"train-spm: generating pairs: {len(prompts)} prompts x {cfg.pairs.images_per_prompt} images, labelled by {cfg.reward.name!r}")
         pairs, generation = generate_pairs(
-            adapter, prompts, reward_fn, images_per_prompt=cfg.pairs.images_per_prompt, num_steps=cfg.pairs.num_steps,
-            guidance_scale=cfg.pairs.guidance_scale, resolution=resolution, seed=cfg.pairs.seed,
-            batch_size=cfg.train.x0_batch_size, keep_ties=cfg.pairs.keep_ties, reward_name=cfg.reward.name,
+            adapter, prompts, reward_fn, images_per_prompt=cfg.pairs.images_per_prompt,
+            sampling=SampleSpec(num_steps=cfg.pairs.num_steps, guidance_scale=cfg.pairs.guidance_scale, resolution=resolution,
+                                seed=cfg.pairs.seed, batch_size=cfg.train.x0_batch_size),
+            keep_ties=cfg.pairs.keep_ties, reward_name=cfg.reward.name,
         )
         write_pairs(pairs, out / "pairs")
         log(f"train-spm: {generation['pairs']} pairs ({generation['ties']} ties) from {generation['images']} images, "
