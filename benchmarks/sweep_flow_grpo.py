@@ -38,6 +38,9 @@ VARIANTS: dict[str, list[str]] = {
     # full fine-tuning of the 4.3M-parameter UNet (cheaper per iteration than LoRA on this model)
     "full_lr1e-5": ["lora.enabled=false", "optim.lr=1e-5"],
     "full_lr3e-5": ["lora.enabled=false", "optim.lr=3e-5"],
+    "full_lr1e-4": ["lora.enabled=false", "optim.lr=1e-4"],
+    "full_lr3e-5_steps4": ["lora.enabled=false", "optim.lr=3e-5", "train.optimizer_steps_per_iteration=4"],
+    "full_lr3e-5_noise1": ["lora.enabled=false", "optim.lr=3e-5", "sampling.noise_level=1.0"],
 }
 METRICS = ("eval/acc/images", "eval/reward_mean", "eval/acc/overall")  # pass rate, partial credit, family mean
 
