@@ -88,6 +88,7 @@ class FluxAdapter(PackedFlowAdapter):
     ):
         super().__init__(pipeline, **base)
         self.guidance = guidance
+        self._constants: dict[tuple, tuple] = {}  # see _constant_inputs
         tok = pipeline.tokenizer_2
         limit = tok.model_max_length if tok is not None else FLUX_MAX_SEQUENCE_LENGTH
         self.max_sequence_length = max_sequence_length or min(FLUX_MAX_SEQUENCE_LENGTH, limit)
@@ -157,27 +158,36 @@ class FluxAdapter(PackedFlowAdapter):
         transformer = self.pipeline.transformer
         dtype = module_dtype(transformer)
         _, _, h, w = x.shape
-        img_ids = latent_image_ids(h, w, x.device, dtype)
 
         def forward(xb, tb, kw):
-            n = xb.shape[0]
             text = kw["encoder_hidden_states"].to(dtype)
-            guidance = None
-            if transformer.config.guidance_embeds:
-                guidance = torch.full((n,), float(self.guidance), device=xb.device, dtype=torch.float32)
+            img_ids, txt_ids, guidance = self._constant_inputs(xb.shape[0], h, w, text.shape[1], xb.device, dtype)
             out = transformer(
                 hidden_states=pack_latents(xb.to(dtype)),
                 timestep=tb.to(dtype),  # sigma: the pipeline passes timesteps / 1000
                 guidance=guidance,
                 pooled_projections=kw["pooled_projections"].to(dtype),
                 encoder_hidden_states=text,
-                txt_ids=torch.zeros(text.shape[1], 3, device=xb.device, dtype=dtype),
+                txt_ids=txt_ids,
                 img_ids=img_ids,
                 return_dict=False,
             )[0]
             return unpack_latents(out, h, w)
 
         return self._guided(forward, x, t, embeds, guidance_scale)
+
+    def _constant_inputs(self, n: int, h: int, w: int, text_len: int, device, dtype):
+        """The transformer inputs that depend only on shapes (RoPE ids of image and text tokens,
+        the distilled guidance), built once per shape as the pipeline builds them once per call.
+        Read-only: the transformer never writes them."""
+        key = (n, h, w, text_len, str(device), dtype, float(self.guidance))
+        if key not in self._constants:
+            guidance = None
+            if self.pipeline.transformer.config.guidance_embeds:
+                guidance = torch.full((n,), float(self.guidance), device=device, dtype=torch.float32)
+            self._constants[key] = (latent_image_ids(h, w, device, dtype),
+                                    torch.zeros(text_len, 3, device=device, dtype=dtype), guidance)
+        return self._constants[key]
 
     def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """Sigmas exactly as ``FluxPipeline`` sets them: ``linspace(1, 1/N, N)`` shifted with
