@@ -39,6 +39,7 @@ VARIANTS: dict[str, list[str]] = {
     "full_lr1e-5": ["lora.enabled=false", "optim.lr=1e-5"],
     "full_lr3e-5": ["lora.enabled=false", "optim.lr=3e-5"],
     "full_lr1e-4": ["lora.enabled=false", "optim.lr=1e-4"],
+    "full_lr3e-4": ["lora.enabled=false", "optim.lr=3e-4"],
     "full_lr3e-5_steps4": ["lora.enabled=false", "optim.lr=3e-5", "train.optimizer_steps_per_iteration=4"],
     "full_lr3e-5_noise1": ["lora.enabled=false", "optim.lr=3e-5", "sampling.noise_level=1.0"],
 }
