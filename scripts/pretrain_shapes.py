@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--ema-decay", type=float, default=0.999, help="EMA of weights that gets saved (0: off)")
     p.add_argument("--uncond-prob", type=float, default=0.1, help="share of empty prompts (for CFG)")
+    p.add_argument("--family-weights", default="",
+                   help="draw families in these proportions instead of uniformly, e.g. 'color_attr=3,position=2' "
+                        "(unnamed families weigh 1); a curriculum for continuing a model on its weakest families")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a tiny architecture (for tests), not the shipped one")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
@@ -80,9 +83,10 @@ def parse_args(argv=None):
 # ---- data -----------------------------------------------------------------------------------
 class PromptSampler:
     """Train prompts drawn family-balanced (the families have 2 to 107 train prompts; uniform
-    over prompts would all but ignore single-object and counting)."""
+    over prompts would all but ignore single-object and counting), or in the proportions
+    ``weights`` ({family: weight}, unnamed families 1)."""
 
-    def __init__(self, prompts, rng: np.random.Generator):
+    def __init__(self, prompts, rng: np.random.Generator, weights: dict[str, float] | None = None):
         from diffalign.shapes.world import prompt_family
 
         self.by_family = defaultdict(list)
@@ -90,14 +94,40 @@ class PromptSampler:
             self.by_family[prompt_family(p)].append(p)
         self.families = sorted(self.by_family)
         self.rng = rng
+        self.p = None
+        if weights:
+            unknown = sorted(set(weights) - set(self.families))
+            if unknown:
+                raise SystemExit(f"--family-weights: unknown families {unknown}; known: {', '.join(self.families)}")
+            w = np.array([float(weights.get(f, 1.0)) for f in self.families])
+            if (w < 0).any() or w.sum() <= 0:
+                raise SystemExit("--family-weights: weights must be >= 0 with a positive sum")
+            self.p = w / w.sum()
 
     def __call__(self, n: int) -> list[str]:
-        fams = self.rng.integers(len(self.families), size=n)
+        if self.p is None:
+            fams = self.rng.integers(len(self.families), size=n)
+        else:
+            fams = self.rng.choice(len(self.families), size=n, p=self.p)
         out = []
         for f in fams:
             choices = self.by_family[self.families[int(f)]]
             out.append(choices[int(self.rng.integers(len(choices)))])
         return out
+
+
+def parse_family_weights(text: str) -> dict[str, float]:
+    """``'color_attr=3,position=2'`` -> ``{'color_attr': 3.0, 'position': 2.0}``."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise SystemExit(f"--family-weights: expected FAMILY=WEIGHT, got {item!r}")
+    return out
 
 
 # ---- evaluation -----------------------------------------------------------------------------
@@ -241,7 +271,7 @@ def main(argv=None) -> None:
     train_prompts, heldout_prompts = split.train, split.evaluation()
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
-    sampler = PromptSampler(train_prompts, rng)
+    sampler = PromptSampler(train_prompts, rng, parse_family_weights(args.family_weights))
 
     pipe = build_pipeline(config=TINY_CONFIG if args.tiny else ShapesModelConfig(), seed=args.seed)
     pipe.set_progress_bar_config(disable=True)
