@@ -21,19 +21,19 @@ def _load(repo_root, name):
 
 def test_sweep_runs_each_variant_once_and_resumes(repo_root, tmp_path, capsys):
     sweep = _load(repo_root, "sweep_flow_grpo")
-    args = ["--iterations", "1", "--variants", "shipped,lr1e-3", "--out", str(tmp_path), *TINY]
+    args = ["--iterations", "1", "--variants", "shipped,lora_lr1e-3", "--out", str(tmp_path), *TINY]
     assert sweep.main(args) == 0
     first = capsys.readouterr().out
     assert "best:" in first and first.count("- shipped: (as shipped)") == 1
-    piece = json.loads((tmp_path / "lr1e-3.json").read_text())
-    assert piece["overrides"] == ["optim.lr=1e-3"] and piece["iterations"] == 1
+    piece = json.loads((tmp_path / "lora_lr1e-3.json").read_text())
+    assert piece["overrides"] == [*sweep.LORA, "optim.lr=1e-3"] and piece["iterations"] == 1
     assert set(piece["after"]) == set(sweep.METRICS)
     # the paired difference of the pass rate, from the run's own per-image records, with its interval
     diff, lo, hi = piece["paired"]["acc/images"]
     assert lo <= diff <= hi and diff == pytest.approx(piece["after"]["eval/acc/images"] - piece["before"]["eval/acc/images"], abs=1e-9)
     # the validation prompts come from the training split only
-    cfg = (tmp_path / "runs" / "lr1e-3" / "config.yaml").read_text()
-    assert "evaluate_on: validation" in cfg
+    cfg = (tmp_path / "runs" / "lora_lr1e-3" / "config.yaml").read_text()
+    assert "evaluate_on: validation" in cfg and "enabled: true" in cfg
     assert sweep.main(args) == 0  # everything done: nothing is trained again
     again = capsys.readouterr().out
     assert again.count("done earlier") == 2
@@ -44,6 +44,8 @@ def test_iteration_speed_prints_the_ratio(repo_root, capsys):
     assert speed.main(["--iterations", "1", *TINY, *BRIGHTNESS]) == 0
     out = capsys.readouterr().out
     assert "old/new" in out and "self-check" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("old ", "new "))}
+    assert rows["old"].endswith("LoRA r16") and rows["new"].endswith("full")  # the main job's training as shipped
 
 
 def test_paired_runs_pairs_the_last_evaluations(repo_root, tmp_path, capsys):
