@@ -42,7 +42,9 @@ def test_main_config_one_iteration(repo_root, tmp_path, capsys):
     saved = json.loads((out / "eval_records" / "iter-000001.json").read_text())
     assert len(saved["heldout"]["records"]) == 12 and len(saved["probe"]["records"]) == 4
     assert set(saved["heldout"]["records"][0]) == {"prompt", "family", "passed", "score"}
-    assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
+    # full fine-tuning: the whole pipeline in diffusers format, loadable as a model id
+    assert (out / "final" / "model_index.json").is_file() and (out / "final" / "unet").is_dir()
+    assert not (out / "final" / "pytorch_lora_weights.safetensors").exists()
     report = (out / "report.md").read_text()
     assert "acc/overall" in report and "samples/eval-iter-000000.png" in report
     assert "| paired difference |" in report and "Generalisation probe" in report
