@@ -4,7 +4,8 @@
 
 Trains Flow-GRPO on the shipped ShapesWorld model for a few iterations, evaluates the base model
 and the run on the held-out prompts with the same seeds (paired differences with 95 % intervals),
-and exports the LoRA as a folder diffusers loads. See docs/python_api.md.
+and exports the trained weights as a folder diffusers loads (the LoRA, or the merged pipeline when
+the run fine-tuned all weights, as the main config does). See docs/python_api.md.
 """
 
 import sys
@@ -27,4 +28,5 @@ images = cfg.eval.images_per_family
 base = evaluate_shapes(load_adapter(cfg.model.id), prompts, images_per_family=images)
 run = evaluate_shapes(load_trained_adapter(out), prompts, images_per_family=images)  # same seeds: paired
 print(format_table(comparison_columns({"base": base, "run": run}, base="base")))
-print("LoRA exported to", export_run(out, "lora"))
+fmt = "lora" if cfg.lora.enabled else "merged"  # a full fine-tune has no LoRA to export
+print(f"{fmt} weights exported to", export_run(out, fmt))
