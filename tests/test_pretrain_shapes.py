@@ -89,3 +89,27 @@ def test_committed_state_is_complete_and_is_the_shipped_model(pretrain, repo_roo
     assert len(ema) == len(names) + sum(1 for _ in pipe.text_encoder.parameters())
     for i, name in enumerate(names):  # parameters are saved UNet first, in named_parameters order
         assert torch.equal(unet[name], ema[str(i)].half()), name
+
+
+def test_family_weights_set_the_share_of_each_family(pretrain):
+    import numpy as np
+
+    from diffalign.shapes.world import prompt_family, split_prompts
+
+    assert pretrain.parse_family_weights("color_attr=3, position=2") == {"color_attr": 3.0, "position": 2.0}
+    assert pretrain.parse_family_weights("") == {}
+    train = split_prompts(seed=0).train
+    draws = pretrain.PromptSampler(train, np.random.default_rng(0), {"color_attr": 3, "position": 2})(9000)
+    share = {f: sum(prompt_family(p) == f for p in draws) / len(draws) for f in ("color_attr", "position", "counting")}
+    assert share["color_attr"] == pytest.approx(3 / 9, abs=0.02) and share["position"] == pytest.approx(2 / 9, abs=0.02)
+    assert share["counting"] == pytest.approx(1 / 9, abs=0.02)
+    # no weights: the default family-uniform draws, unchanged
+    plain, empty = (pretrain.PromptSampler(train, np.random.default_rng(1), w)(64) for w in (None, {}))
+    assert plain == empty
+    for bad, match in (("color_attr", "FAMILY=WEIGHT"), ("color_attr=x", "FAMILY=WEIGHT")):
+        with pytest.raises(SystemExit, match=match):
+            pretrain.parse_family_weights(bad)
+    with pytest.raises(SystemExit, match="unknown families"):
+        pretrain.PromptSampler(train, np.random.default_rng(0), {"colour": 2})
+    with pytest.raises(SystemExit, match=">= 0"):
+        pretrain.PromptSampler(train, np.random.default_rng(0), {"color_attr": -1})
