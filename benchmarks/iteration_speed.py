@@ -24,13 +24,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):  # the sweep module names the LoRA recipe
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 SETTINGS = {
     "old": ["train.mixed_precision=no", "train.channels_last=false", "train.detach_uncond=false"],
     "new": ["train.mixed_precision=auto", "train.channels_last=true", "train.detach_uncond=true"],
 }
-OLD_TRAINING = ["lora.enabled=true", "lora.rank=16", "lora.alpha=32"]  # the first tuned main job's LoRA
 
 
 def main(argv=None) -> int:
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
 
     from diffalign.config_files import load_config
     from diffalign.recipes import build_trainer
+    from sweep_flow_grpo import LORA  # the first tuned main job's LoRA, as the sweep names it
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs/shapes/flow_grpo.yaml"))
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
     out = Path(tempfile.mkdtemp(prefix="iteration_speed_"))
     trainers = {}
     for name, settings in SETTINGS.items():
-        training = OLD_TRAINING if name == "old" or args.settings_only else []
+        training = LORA if name == "old" or args.settings_only else []
         cfg = load_config(args.config, [f"output_dir={out / name}", "log.progress_bar=false", "log.report=false",
                                         "eval.at_start=false", *args.overrides, *training, *settings])
         trainer = build_trainer(cfg, overwrite=True)

@@ -108,6 +108,7 @@ def evaluate_geneval(
     seed."""
     from diffalign import progress
     from diffalign.evaluation import maybe_autocast
+
     if images_per_prompt < 1:
         raise DiffalignError(f"--images-per-prompt must be >= 1, got {images_per_prompt}")
     items = [(i, e) for i, e in enumerate(entries) for _ in range(images_per_prompt)]

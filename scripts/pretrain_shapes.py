@@ -120,13 +120,11 @@ def parse_family_weights(text: str) -> dict[str, float]:
     """``'color_attr=3,position=2'`` -> ``{'color_attr': 3.0, 'position': 2.0}``."""
     out = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
+        name, _, value = item.partition("=")
         try:
             out[name.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise SystemExit(f"--family-weights: expected FAMILY=WEIGHT, got {item!r}")
+        except ValueError:  # no '=' (value '') or not a number
+            raise SystemExit(f"--family-weights: expected FAMILY=WEIGHT, got {item!r}") from None
     return out
 
 
