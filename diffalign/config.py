@@ -322,23 +322,33 @@ def register_algorithm_config(name: str):
 # --------------------------------------------------------------------------------------------
 
 
+def sections(cls):
+    """Class decorator (under ``@dataclass``): every annotated field without a default gets a
+    fresh instance of its annotated config class, so a config lists its sections as ``name: Class``."""
+    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+        if name not in cls.__dict__:
+            setattr(cls, name, field(default_factory=globals()[annotation]))
+    return cls
+
+
 @dataclass
+@sections
 class RunConfig:
     output_dir: str = "runs/default"  # run directory: config.yaml, metrics.jsonl, checkpoints/, final/
     seed: int = 0  # seeds prompts, noise and initialisation; a resumed run continues the same streams
     max_iterations: int = 10  # rollout + update iterations
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    prompts: PromptsConfig = field(default_factory=PromptsConfig)
-    algorithm: AlgorithmConfig = field(default_factory=FlowGRPOConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
+    model: ModelConfig
+    lora: LoraConfig
+    sampling: SamplingConfig
+    rollout: RolloutConfig
+    reward: RewardConfig
+    prompts: PromptsConfig
+    algorithm: AlgorithmConfig = field(default_factory=FlowGRPOConfig)  # typed by algorithm.name
+    optim: OptimConfig
+    train: TrainConfig
+    eval: EvalConfig
+    checkpoint: CheckpointConfig
+    log: LogConfig
 
     def validate(self) -> None:
         check(self.max_iterations >= 0, "max_iterations", "must be >= 0")

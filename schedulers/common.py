@@ -78,6 +78,17 @@ def check_noise_level(name: str, value: float, upper: Optional[float] = None) ->
         raise ValueError(f"{name} must be {bound}, got {value!r}")
 
 
+def checked_fp32_inputs(model_output, sample, prev_sample, *, noise_name="noise_level", noise_level=0.0, upper=None, reduction="mean"):
+    """A kernel's argument checks (its noise level ``noise_name`` within ``[0, upper]``, the
+    reduction, matching shapes); returns fp32 ``(model_output, sample, prev_sample)``."""
+    check_noise_level(noise_name, noise_level, upper)
+    check_reduction(reduction)
+    if model_output.shape != sample.shape:
+        raise ValueError(f"model_output shape {tuple(model_output.shape)} != sample shape {tuple(sample.shape)}")
+    x = sample.float()
+    return model_output.float(), x, as_fp32(prev_sample, x, "prev_sample")
+
+
 def per_sample(value: Scalar, sample: torch.Tensor, name: str) -> torch.Tensor:
     """``value`` (number, 0-d or ``(B,)`` tensor) as an fp32 ``(B, 1, ..., 1)`` tensor on
     ``sample``'s device. Tensor values are not range-checked (that would force a host sync)."""

@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from .common import Scalar, StepOutput, check_noise_level, check_reduction, as_fp32, sample_or_score
+from .common import Scalar, StepOutput, checked_fp32_inputs, sample_or_score
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")  # what the model's output means
 
@@ -44,19 +44,11 @@ def _timestep_index(value: Scalar, sample: torch.Tensor, name: str) -> torch.Ten
 
 
 def ddim_step_with_logprob(
-    model_output: torch.Tensor,
-    sample: torch.Tensor,
-    timestep: Scalar,
-    prev_timestep: Scalar,
-    *,
-    alphas_cumprod: torch.Tensor,
-    final_alpha_cumprod: Union[float, torch.Tensor],
-    eta: float = 1.0,
-    prediction_type: str = "epsilon",
-    prev_sample: Optional[torch.Tensor] = None,
-    generator: Optional[torch.Generator] = None,
-    noise: Optional[torch.Tensor] = None,
-    reduction: str = "mean",
+    model_output: torch.Tensor, sample: torch.Tensor, timestep: Scalar, prev_timestep: Scalar, *,
+    alphas_cumprod: torch.Tensor, final_alpha_cumprod: Union[float, torch.Tensor],
+    eta: float = 1.0, prediction_type: str = "epsilon",
+    prev_sample: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None, reduction: str = "mean",
 ) -> StepOutput:
     """One DDIM step ``x_t -> x_t'`` that samples (``prev_sample is None``) or re-scores.
 
@@ -78,13 +70,10 @@ def ddim_step_with_logprob(
     """
     if prediction_type not in PREDICTION_TYPES:
         raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
-    check_noise_level("eta", eta, upper=1.0)  # eta > 1 makes 1 - abar_t' - std^2 negative
-    check_reduction(reduction)
-    if model_output.shape != sample.shape:
-        raise ValueError(f"model_output shape {tuple(model_output.shape)} != sample shape {tuple(sample.shape)}")
-    x = sample.float()
-    out = model_output.float()
-    prev_sample = as_fp32(prev_sample, x, "prev_sample")
+    # eta > 1 makes 1 - abar_t' - std^2 negative
+    out, x, prev_sample = checked_fp32_inputs(
+        model_output, sample, prev_sample, noise_name="eta", noise_level=eta, upper=1.0, reduction=reduction
+    )
 
     acp = alphas_cumprod.to(device=x.device, dtype=torch.float32)
     final = torch.as_tensor(final_alpha_cumprod, device=x.device, dtype=torch.float32)

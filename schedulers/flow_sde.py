@@ -26,20 +26,18 @@ from typing import Optional
 
 import torch
 
-from .common import Scalar, StepOutput, check_noise_level, check_reduction, as_fp32, per_sample, sample_or_score
+from .common import Scalar, StepOutput, checked_fp32_inputs, per_sample, sample_or_score
 
 STD_SCHEDULES = ("cps", "stepwise")  # std rules of cps_sde_step
 
 
-def _prepare(model_output, sample, sigma, sigma_next, prev_sample):
-    """fp32 copies of the inputs and ``(B, 1, ..., 1)`` sigmas."""
-    if model_output.shape != sample.shape:
-        raise ValueError(f"model_output shape {tuple(model_output.shape)} != sample shape {tuple(sample.shape)}")
-    x = sample.float()
-    v = model_output.float()
-    s = per_sample(sigma, x, "sigma")
-    s_next = per_sample(sigma_next, x, "sigma_next")
-    return v, x, s, s_next, as_fp32(prev_sample, x, "prev_sample")
+def _prepare(model_output, sample, sigma, sigma_next, prev_sample, noise_level=0.0, reduction="mean", upper=None):
+    """Checks the arguments (``noise_level`` at most ``upper``); returns fp32 copies of the inputs
+    and ``(B, 1, ..., 1)`` sigmas."""
+    v, x, prev_sample = checked_fp32_inputs(
+        model_output, sample, prev_sample, noise_level=noise_level, upper=upper, reduction=reduction
+    )
+    return v, x, per_sample(sigma, x, "sigma"), per_sample(sigma_next, x, "sigma_next"), prev_sample
 
 
 def _euler(v, x, s, s_next, prev_sample) -> StepOutput:
@@ -63,17 +61,10 @@ def ode_step(model_output: torch.Tensor, sample: torch.Tensor, sigma: Scalar, si
 
 
 def flow_grpo_sde_step(
-    model_output: torch.Tensor,
-    sample: torch.Tensor,
-    sigma: Scalar,
-    sigma_next: Scalar,
-    *,
-    noise_level: float = 0.7,
-    prev_sample: Optional[torch.Tensor] = None,
-    generator: Optional[torch.Generator] = None,
-    noise: Optional[torch.Tensor] = None,
-    sigma_max: Optional[Scalar] = None,
-    reduction: str = "mean",
+    model_output: torch.Tensor, sample: torch.Tensor, sigma: Scalar, sigma_next: Scalar, *,
+    noise_level: float = 0.7, sigma_max: Optional[Scalar] = None,
+    prev_sample: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None, reduction: str = "mean",
 ) -> StepOutput:
     """Flow-GRPO's marginal-preserving SDE step (Liu et al. 2025, "Flow-GRPO"; kernel 1).
 
@@ -90,9 +81,7 @@ def flow_grpo_sde_step(
     starting at 1). ``log_prob`` is the full Gaussian log-density reduced by ``reduction``,
     matching the reference code.
     """
-    check_noise_level("noise_level", noise_level)
-    check_reduction(reduction)
-    v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample)
+    v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample, noise_level, reduction)
     if noise_level == 0:
         return _euler(v, x, s, s_next, prev_sample)
     dt = s_next - s  # < 0
@@ -105,17 +94,10 @@ def flow_grpo_sde_step(
 
 
 def cps_sde_step(
-    model_output: torch.Tensor,
-    sample: torch.Tensor,
-    sigma: Scalar,
-    sigma_next: Scalar,
-    *,
-    noise_level: float = 0.8,
-    std_schedule: str = "cps",
-    prev_sample: Optional[torch.Tensor] = None,
-    generator: Optional[torch.Generator] = None,
-    noise: Optional[torch.Tensor] = None,
-    reduction: str = "mean",
+    model_output: torch.Tensor, sample: torch.Tensor, sigma: Scalar, sigma_next: Scalar, *,
+    noise_level: float = 0.8, std_schedule: str = "cps",
+    prev_sample: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None, reduction: str = "mean",
 ) -> StepOutput:
     """Coefficients-preserving ("DDIM-inspired") flow SDE step (kernel 2).
 
@@ -138,9 +120,8 @@ def cps_sde_step(
     """
     if std_schedule not in STD_SCHEDULES:
         raise ValueError(f"std_schedule must be one of {STD_SCHEDULES}, got {std_schedule!r}")
-    check_noise_level("noise_level", noise_level, upper=1.0)  # keeps std <= s' (real sqrt)
-    check_reduction(reduction)
-    v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample)
+    # noise_level <= 1 keeps std <= s' (a real square root below)
+    v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample, noise_level, reduction, upper=1.0)
     if noise_level == 0:
         return _euler(v, x, s, s_next, prev_sample)
     x0_hat = x - s * v
@@ -155,16 +136,10 @@ def cps_sde_step(
 
 
 def dance_sde_step(
-    model_output: torch.Tensor,
-    sample: torch.Tensor,
-    sigma: Scalar,
-    sigma_next: Scalar,
-    *,
+    model_output: torch.Tensor, sample: torch.Tensor, sigma: Scalar, sigma_next: Scalar, *,
     noise_level: float = 0.3,
-    prev_sample: Optional[torch.Tensor] = None,
-    generator: Optional[torch.Generator] = None,
-    noise: Optional[torch.Tensor] = None,
-    reduction: str = "mean",
+    prev_sample: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None, reduction: str = "mean",
 ) -> StepOutput:
     """DanceGRPO's SDE step (Xue et al. 2025, "DanceGRPO"; kernel 3).
 
@@ -176,9 +151,7 @@ def dance_sde_step(
 
     Use with the shifted schedule :func:`~schedulers.timesteps.shifted_sigmas`.
     """
-    check_noise_level("noise_level", noise_level)
-    check_reduction(reduction)
-    v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample)
+    v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample, noise_level, reduction)
     if noise_level == 0:
         return _euler(v, x, s, s_next, prev_sample)
     dt = s_next - s  # < 0

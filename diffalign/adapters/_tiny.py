@@ -68,18 +68,10 @@ def tiny_clip_text_config(vocab_size: int, *, hidden_size: int = 16, projection_
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        projection_dim=projection_dim,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=max_positions,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id,
-        hidden_act="gelu",
-        layer_norm_eps=1e-5,
+        vocab_size=vocab_size, max_position_embeddings=max_positions,
+        hidden_size=hidden_size, intermediate_size=2 * hidden_size, projection_dim=projection_dim,
+        num_hidden_layers=2, num_attention_heads=2, hidden_act="gelu", layer_norm_eps=1e-5,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id,
     )
 
 
@@ -88,17 +80,9 @@ def tiny_t5_config(vocab_size: int, *, d_model: int = 32, config_class=None):
     from transformers import T5Config
 
     return (config_class or T5Config)(
-        vocab_size=vocab_size,
-        d_model=d_model,
-        d_kv=8,
-        d_ff=2 * d_model,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        dropout_rate=0.0,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
+        vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, dropout_rate=0.0,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )
 
 
@@ -136,19 +120,11 @@ def tiny_vae(latent_channels: int, *, scaling_factor: float = 1.5305, shift_fact
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(4, 8),
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=2,
-        sample_size=32,
-        scaling_factor=scaling_factor,
-        shift_factor=shift_factor,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
+        in_channels=3, out_channels=3, latent_channels=latent_channels, sample_size=32,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(4, 8), layers_per_block=1, norm_num_groups=2,
+        scaling_factor=scaling_factor, shift_factor=shift_factor,
+        use_quant_conv=False, use_post_quant_conv=False,
     )
 
 

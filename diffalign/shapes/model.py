@@ -112,16 +112,10 @@ def build_text_encoder(vocab_size: int, config: ShapesModelConfig = ShapesModelC
     from transformers import CLIPTextConfig, CLIPTextModel
 
     cfg = CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=config.text_width,
-        intermediate_size=config.text_mlp,
-        num_hidden_layers=config.text_layers,
-        num_attention_heads=config.text_heads,
-        max_position_embeddings=config.max_length,
-        projection_dim=config.text_width,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
+        vocab_size=vocab_size, max_position_embeddings=config.max_length,
+        hidden_size=config.text_width, intermediate_size=config.text_mlp, projection_dim=config.text_width,
+        num_hidden_layers=config.text_layers, num_attention_heads=config.text_heads,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
     )
     return CLIPTextModel(cfg)
 
@@ -134,14 +128,9 @@ def build_unet(config: ShapesModelConfig = ShapesModelConfig()):
     down = ("DownBlock2D",) * (n - 1) + ("CrossAttnDownBlock2D",)
     up = ("CrossAttnUpBlock2D",) + ("UpBlock2D",) * (n - 1)
     return UNet2DConditionModel(
-        sample_size=config.sample_size,
-        in_channels=3,
-        out_channels=3,
-        down_block_types=down,
-        up_block_types=up,
-        block_out_channels=config.block_out_channels,
-        layers_per_block=config.layers_per_block,
-        norm_num_groups=config.norm_num_groups,
+        sample_size=config.sample_size, in_channels=3, out_channels=3,
+        down_block_types=down, up_block_types=up, block_out_channels=config.block_out_channels,
+        layers_per_block=config.layers_per_block, norm_num_groups=config.norm_num_groups,
         cross_attention_dim=config.text_width,
         # diffusers' historical naming: for this class `attention_head_dim` is the number of heads.
         attention_head_dim=config.attention_heads,
