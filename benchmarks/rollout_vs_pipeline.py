@@ -18,8 +18,11 @@ prompts, steps, guidance, batch, resolution and dtype:
 A forward pre-hook on the denoiser records every forward's batch shape: the two sides must run the
 same forwards, or the benchmark stops. After one warm-up call of each, the repeats alternate the
 order (pipeline rollout, rollout pipeline, ...) so that load from other processes hits both sides
-alike; the table reports medians of wall time and of the process's CPU time, and the ratio
-rollout / pipeline of each. ``SLOWER THAN THE PIPELINE`` marks a wall ratio above 1.00. The exit
+alike. The table reports the fastest repeat of each side (wall time, and the process's CPU time)
+and the ratios rollout / pipeline of these: other processes and the machine only ever add time
+to a call, so the minimum is the estimate of a call's own cost with the least noise (the
+convention of Python's ``timeit``); the ratio of medians is printed beside it.
+``SLOWER THAN THE PIPELINE`` marks a wall ratio above 1.00. The exit
 code is 0 whatever the ratio (a measurement, not a test). ``--profile FAMILY`` adds a cProfile of
 that family's rollout.
 """
@@ -170,9 +173,11 @@ def measure(sides: Sides, repeats: int) -> dict:
         order = ("pipeline", "rollout") if r % 2 == 0 else ("rollout", "pipeline")
         for side in order:
             times[side].append(timed(getattr(sides, side)))
-    med = {side: (statistics.median(w for w, _ in ts), statistics.median(c for _, c in ts)) for side, ts in times.items()}
-    return {"forwards": len(pipe_calls), "rows": pipe_calls[0][0][0], "pipeline": med["pipeline"], "rollout": med["rollout"],
-            "wall_ratio": med["rollout"][0] / med["pipeline"][0], "cpu_ratio": med["rollout"][1] / med["pipeline"][1]}
+    best = {side: (min(w for w, _ in ts), min(c for _, c in ts)) for side, ts in times.items()}
+    med = {side: statistics.median(w for w, _ in ts) for side, ts in times.items()}
+    return {"forwards": len(pipe_calls), "rows": pipe_calls[0][0][0], "pipeline": best["pipeline"], "rollout": best["rollout"],
+            "wall_ratio": best["rollout"][0] / best["pipeline"][0], "cpu_ratio": best["rollout"][1] / best["pipeline"][1],
+            "median_ratio": med["rollout"] / med["pipeline"]}
 
 
 def profile(sides: Sides, repeats: int) -> str:
@@ -193,7 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--images", type=int, default=8, help="images per call (one batch)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--guidance", type=float, default=4.5, help="CFG scale (FLUX: none; its distilled guidance input)")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", default="", help="a family whose rollout to profile")
     args = p.parse_args(argv)
@@ -205,8 +210,9 @@ def main(argv=None) -> int:
 
     print(f"rollout (SDE kernel, log-probs, all latents kept) vs stock pipeline __call__; {args.images} images x "
           f"{args.steps} steps, CFG {args.guidance} (FLUX: distilled guidance, no CFG), {args.threads} threads, "
-          f"median of {args.repeats} interleaved repeats")
-    header = f"{'family':8}{'res':>5}{'forwards':>10}{'pipeline s':>12}{'rollout s':>11}{'wall ratio':>12}{'cpu ratio':>11}"
+          f"fastest of {args.repeats} interleaved repeats")
+    header = (f"{'family':8}{'res':>5}{'forwards':>10}{'pipeline s':>12}{'rollout s':>11}{'wall ratio':>12}{'cpu ratio':>11}"
+              f"{'median ratio':>14}")
     print(header)
     worst = 0.0
     for family in families:
@@ -218,7 +224,7 @@ def main(argv=None) -> int:
         worst = max(worst, m["wall_ratio"])
         flag = "  SLOWER THAN THE PIPELINE" if m["wall_ratio"] > PARITY_GOAL else ""
         print(f"{family:8}{res:>5}{m['forwards']:>6} x{m['rows']:<3}{m['pipeline'][0]:>12.3f}{m['rollout'][0]:>11.3f}"
-              f"{m['wall_ratio']:>12.3f}{m['cpu_ratio']:>11.3f}{flag}", flush=True)
+              f"{m['wall_ratio']:>12.3f}{m['cpu_ratio']:>11.3f}{m['median_ratio']:>14.3f}{flag}", flush=True)
         if family == args.profile:
             print(profile(sides, args.repeats))
     print(f"worst wall ratio {worst:.3f} (goal <= {PARITY_GOAL:.2f})")

@@ -3,9 +3,15 @@
     python benchmarks/scaling.py [--models sd3,shapes] [--size medium] [--iterations 2] [--threads 2]
         [--out benchmarks/results/scaling]
 
-Each point is one configuration run in its own process (so that peak memory is that point's own:
-``ru_maxrss`` on CPU, ``torch.cuda.max_memory_allocated`` on a GPU): build the trainer, one
-warm-up iteration, then ``--iterations`` timed ones (median seconds). From a base point, one axis
+Each point is one configuration run in its own process: build the trainer, one warm-up iteration,
+then ``--iterations`` timed ones (the fastest is reported: other processes only ever add time).
+Memory is measured over the timed iterations only, not the model build: on CPU the process's
+resident set is trimmed (``gc`` and glibc ``malloc_trim``) and read after the warm-up (``base``),
+its high-water mark is reset (``/proc/self/clear_refs``) and read after the timed iterations
+(``peak``); on a GPU ``torch.cuda`` peak and allocated bytes the same way. ``iter MiB = peak -
+base`` is the memory an iteration itself needs (activations, kept latents, gradients); its
+exponent is the fitted memory exponent. Where the high-water mark cannot be reset (not Linux) the
+peak is the process's whole-life ``ru_maxrss`` and the table says so. From a base point, one axis
 moves at a time:
 
 - **images** per iteration (prompts x group of 4): 4, 8, 16;
@@ -95,9 +101,6 @@ def overrides(point: dict) -> list[str]:
 
 
 def run_point(model: str, point: dict, size: str, iterations: int, threads: int) -> dict:
-    import resource
-    import statistics
-
     import torch
 
     from diffalign.config import load_config
@@ -118,16 +121,60 @@ def run_point(model: str, point: dict, size: str, iterations: int, threads: int)
         trainer.setup()
         cuda = torch.cuda.is_available() and str(trainer.adapter.device).startswith("cuda")
         trainer.iteration(0)  # warm-up: allocators, kernels
+        base = memory_base(cuda)
         seconds = []
         for i in range(1, iterations + 1):
             t0 = time.perf_counter()
             trainer.iteration(i)
             seconds.append(time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak, kind = memory_peak(cuda)
         trainable = sum(p.numel() for p in trainer.adapter.denoiser.parameters() if p.requires_grad)
-    return {"model": model, "point": point, "seconds": statistics.median(seconds), "all_seconds": seconds,
-            "peak_mib": peak, "memory": "cuda_peak" if cuda else "rss_peak", "trainable_params": trainable,
-            "threads": threads, "load_avg": os.getloadavg()}
+    return {"model": model, "point": point, "seconds": min(seconds), "all_seconds": seconds,
+            "peak_mib": peak, "base_mib": base, "iter_mib": peak - base, "memory": kind,
+            "trainable_params": trainable, "threads": threads, "load_avg": os.getloadavg()}
+
+
+def _proc_status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    raise KeyError(field)
+
+
+def memory_base(cuda: bool) -> float:
+    """Memory in use before the timed iterations (MiB), with the peak counter reset to it."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / 2**20
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back, so RSS is what is in use
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        return _proc_status_mib("VmRSS")
+    except (OSError, KeyError, AttributeError):
+        return 0.0
+
+
+def memory_peak(cuda: bool) -> tuple[float, str]:
+    """Peak memory (MiB) since :func:`memory_base`, and what it measures."""
+    import resource
+
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**20, "cuda_peak"
+    try:
+        return _proc_status_mib("VmHWM"), "rss_peak"
+    except (OSError, KeyError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_peak_whole_process"
 
 
 def measure(model: str, point: dict, args, out: Path) -> dict:
@@ -169,13 +216,14 @@ def axis_rows(results: dict[str, dict], model: str, axes=tuple(AXES)) -> list[tu
         if axis != "lora" and len(ok) >= 2:
             xs = [r["point"][axis] for r in ok]
             k_time = fit_exponent(xs, [r["seconds"] for r in ok])
-            k_mem = fit_exponent(xs, [r["peak_mib"] for r in ok])
+            k_mem = fit_exponent(xs, [max(r["iter_mib"], 1.0) for r in ok])
         rows.append((axis, pts, k_time, k_mem))
     return rows
 
 
 def format_table(all_rows: dict[str, list]) -> str:
-    lines = [f"{'model':7}{'axis':12}{'value':>7}{'s/iter':>9}{'peak MiB':>10}{'trainable':>12}   fitted exponent (time, memory)"]
+    lines = [f"{'model':7}{'axis':12}{'value':>7}{'s/iter':>9}{'peak MiB':>10}{'iter MiB':>10}{'trainable':>12}"
+             f"   fitted exponent (time, iteration memory)"]
     for model, rows in all_rows.items():
         for axis, pts, k_time, k_mem in rows:
             for j, r in enumerate(pts):
@@ -185,7 +233,9 @@ def format_table(all_rows: dict[str, list]) -> str:
                 if "error" in r:
                     lines.append(f"{model:7}{axis:12}{value!s:>7}   failed: {r['error'][:80]}")
                 else:
-                    lines.append(f"{model:7}{axis:12}{value!s:>7}{r['seconds']:>9.2f}{r['peak_mib']:>10.0f}{r['trainable_params']:>12,}{fit}")
+                    note = "" if r["memory"] != "rss_peak_whole_process" else "   (peak over the whole process)"
+                    lines.append(f"{model:7}{axis:12}{value!s:>7}{r['seconds']:>9.2f}{r['peak_mib']:>10.0f}{r['iter_mib']:>10.0f}"
+                                 f"{r['trainable_params']:>12,}{fit}{note}")
     return "\n".join(lines)
 
 
@@ -218,7 +268,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="sd3,shapes")
     p.add_argument("--size", default="medium", help="SD3 transformer size of benchmarks/overhead.py")
-    p.add_argument("--iterations", type=int, default=2, help="timed iterations per point (after one warm-up)")
+    p.add_argument("--iterations", type=int, default=3, help="timed iterations per point (after one warm-up); the fastest counts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--axes", default=",".join(AXES), help=f"a subset of {', '.join(AXES)}")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/scaling"))
@@ -246,7 +296,7 @@ def main(argv=None) -> int:
                 print(f"- {model} {key}", flush=True)
                 results[key] = measure(model, point, args, out)
         all_rows[model] = axis_rows(results, model, axes)
-    print(f"\none Flow-GRPO iteration (median of {args.iterations} after a warm-up), {args.threads} threads; "
+    print(f"\none Flow-GRPO iteration (fastest of {args.iterations} after a warm-up), {args.threads} threads; "
           f"base point: {BASE['images']} images, {BASE['steps']} steps, LoRA; SD3 size {args.size}")
     print(format_table(all_rows))
     plot(all_rows, out / "scaling.png")

@@ -4,6 +4,7 @@ No timing assertions: the CPUs are shared, so times only mean something side by 
 """
 
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -105,5 +106,9 @@ def test_scaling_benchmark_fits_and_resumes(repo_root, tmp_path, capsys, monkeyp
     assert (tmp_path / "scaling.png").stat().st_size > 0
     pieces = sorted(p.name for p in (tmp_path / "sd3").iterdir())
     assert len(pieces) == 2
+    for name in pieces:  # memory of the timed iterations only: the peak is reset after the warm-up
+        piece = json.loads((tmp_path / "sd3" / name).read_text())
+        assert piece["memory"] == ("rss_peak" if sys.platform == "linux" else "rss_peak_whole_process")
+        assert 0 < piece["base_mib"] <= piece["peak_mib"] and piece["iter_mib"] == piece["peak_mib"] - piece["base_mib"]
     assert scaling.main(args) == 0  # resumes: every point is read back, none rerun
     assert "- sd3" in capsys.readouterr().out and sorted(p.name for p in (tmp_path / "sd3").iterdir()) == pieces
