@@ -63,9 +63,10 @@ AXES = {
 GROUP = 4  # images per prompt; images / GROUP prompts per iteration
 
 
-def points(model: str, axes=tuple(AXES)) -> list[tuple[str, dict]]:
-    """``(axis, point)`` pairs; the base point appears once per axis (runs once: same key)."""
-    base = {**BASE, "resolution": BASE_RESOLUTION[model]}
+def points(model: str, axes=tuple(AXES), micro_batch: int = 0) -> list[tuple[str, dict]]:
+    """``(axis, point)`` pairs; the base point appears once per axis (runs once: same key).
+    ``micro_batch``: images per denoiser forward (0: all of an iteration's images in one)."""
+    base = {**BASE, "resolution": BASE_RESOLUTION[model], "micro_batch": micro_batch}
     out = []
     for axis, values in AXES.items():
         if axis not in axes:
@@ -77,15 +78,17 @@ def points(model: str, axes=tuple(AXES)) -> list[tuple[str, dict]]:
 
 
 def point_key(point: dict) -> str:
-    return f"img{point['images']}-steps{point['steps']}-res{point['resolution']}-{'lora' if point['lora'] else 'full'}"
+    mb = f"-mb{point['micro_batch']}" if point.get("micro_batch") else ""
+    return f"img{point['images']}-steps{point['steps']}-res{point['resolution']}-{'lora' if point['lora'] else 'full'}{mb}"
 
 
 def overrides(point: dict) -> list[str]:
+    batch = min(point["images"], point.get("micro_batch") or point["images"])
     return [
         f"rollout.prompts_per_iteration={max(1, point['images'] // GROUP)}",
         f"rollout.group_size={GROUP}",
-        f"rollout.sample_batch_size={point['images']}",
-        f"train.batch_size={point['images']}",
+        f"rollout.sample_batch_size={batch}",
+        f"train.batch_size={batch}",
         "train.optimizer_steps_per_iteration=1",
         f"sampling.num_steps={point['steps']}",
         "sampling.window_size=0",
@@ -207,10 +210,10 @@ def fit_exponent(xs: list[float], ys: list[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den
 
 
-def axis_rows(results: dict[str, dict], model: str, axes=tuple(AXES)) -> list[tuple[str, list[dict], float | None, float | None]]:
+def axis_rows(results: dict[str, dict], model: str, axes=tuple(AXES), micro_batch: int = 0) -> list[tuple[str, list[dict], float | None, float | None]]:
     rows = []
     for axis in axes:
-        pts = [results[point_key(p)] for a, p in points(model, axes) if a == axis]
+        pts = [results[point_key(p)] for a, p in points(model, axes, micro_batch) if a == axis]
         ok = [r for r in pts if "error" not in r]
         k_time = k_mem = None
         if axis != "lora" and len(ok) >= 2:
@@ -271,6 +274,9 @@ def main(argv=None) -> int:
     p.add_argument("--iterations", type=int, default=3, help="timed iterations per point (after one warm-up); the fastest counts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--axes", default=",".join(AXES), help=f"a subset of {', '.join(AXES)}")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="images per rollout / training forward (rollout.sample_batch_size, train.batch_size); "
+                        "0: an iteration's images in one batch")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/scaling"))
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -290,17 +296,19 @@ def main(argv=None) -> int:
     all_rows = {}
     for model in models:
         results = {}
-        for axis, point in points(model, axes):
+        for axis, point in points(model, axes, args.micro_batch):
             key = point_key(point)
             if key not in results:
                 print(f"- {model} {key}", flush=True)
                 results[key] = measure(model, point, args, out)
-        all_rows[model] = axis_rows(results, model, axes)
+        all_rows[model] = axis_rows(results, model, axes, args.micro_batch)
     print(f"\none Flow-GRPO iteration (fastest of {args.iterations} after a warm-up), {args.threads} threads; "
-          f"base point: {BASE['images']} images, {BASE['steps']} steps, LoRA; SD3 size {args.size}")
+          f"base point: {BASE['images']} images, {BASE['steps']} steps, LoRA; SD3 size {args.size}; "
+          f"{f'micro-batches of {args.micro_batch} images' if args.micro_batch else 'all images in one forward batch'}")
     print(format_table(all_rows))
-    plot(all_rows, out / "scaling.png")
-    print(f"plot: {out / 'scaling.png'}")
+    png = out / (f"scaling-mb{args.micro_batch}.png" if args.micro_batch else "scaling.png")
+    plot(all_rows, png)
+    print(f"plot: {png}")
     return 0
 
 
