@@ -17,7 +17,8 @@ moves at a time:
 - **images** per iteration (prompts x group of 4): 4, 8, 16;
 - **steps** (every step an SDE step and trained: ``sampling.window_size=0``): 4, 8, 16;
 - **resolution**: SD3 32, 64, 128 px (64, 256, 1024 image tokens); the shapes model 32, 64 px;
-- **LoRA** (rank 8) against full fine-tuning (``lora.enabled=false``).
+- **LoRA** (SD3: rank 8; the shapes model: the default rank 32) against full fine-tuning
+  (``lora.enabled=false``).
 
 Models: ``sd3``, the SD3 transformer of ``benchmarks/overhead.py`` (``--size``, default
 ``medium``: 4 joint blocks of width 256) with the tiny text encoders and VAE, saved and loaded back
