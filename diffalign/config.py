@@ -327,7 +327,10 @@ def sections(cls):
     fresh instance of its annotated config class, so a config lists its sections as ``name: Class``."""
     for name, annotation in cls.__dict__.get("__annotations__", {}).items():
         if name not in cls.__dict__:
-            setattr(cls, name, field(default_factory=globals()[annotation]))
+            section = globals().get(annotation)
+            if not dataclasses.is_dataclass(section):
+                raise TypeError(f"{cls.__name__}.{name}: a field without a default must be annotated with a config section class, got {annotation!r}")
+            setattr(cls, name, field(default_factory=section))
     return cls
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from diffalign.config import FlowGRPOConfig, RunConfig
+from diffalign.config import FlowGRPOConfig, ModelConfig, RunConfig, sections
 from diffalign.config_files import apply_overrides, dump_config, load_config
 from diffalign.errors import ConfigError
 
@@ -20,6 +20,14 @@ def test_defaults_and_overrides(tmp_path):
     assert cfg.sampling.num_steps == 7
     assert cfg.lora.targets == ["a", "b"]
     assert isinstance(cfg.algorithm, FlowGRPOConfig)
+
+
+def test_run_config_sections_are_fresh_instances_of_their_class():
+    a, b = RunConfig(), RunConfig()
+    assert type(a.model) is ModelConfig and a.model is not b.model  # no shared mutable default
+    assert type(a.algorithm) is FlowGRPOConfig  # the one section typed by algorithm.name
+    with pytest.raises(TypeError, match="Bad.count: .* config section class, got 'int'"):
+        sections(type("Bad", (), {"__annotations__": {"count": "int"}}))
 
 
 def test_yaml_scientific_string_is_a_float(tmp_path):

@@ -288,3 +288,17 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="prediction_type"):
         _ddim(v, x, 500, 300, prediction_type="flow")
     assert isinstance(_ddim(v, x, torch.tensor(500.0), 300), StepOutput)
+    # the checks every kernel shares (one implementation): shapes, reduction, its noise level
+    kernels = [
+        (lambda out, **kw: flow_grpo_sde_step(out, x, 0.5, 0.3, **kw), "noise_level"),
+        (lambda out, **kw: cps_sde_step(out, x, 0.5, 0.3, **kw), "noise_level"),
+        (lambda out, **kw: dance_sde_step(out, x, 0.5, 0.3, **kw), "noise_level"),
+        (lambda out, **kw: _ddim(out, x, 500, 300, **kw), "eta"),
+    ]
+    for step, noise in kernels:
+        with pytest.raises(ValueError, match="model_output shape"):
+            step(v[:, :1])
+        with pytest.raises(ValueError, match="reduction"):
+            step(v, reduction="median")
+        with pytest.raises(ValueError, match=f"{noise} must be"):
+            step(v, **{noise: -1.0})
