@@ -131,7 +131,7 @@ def run_point(model: str, point: dict, size: str, iterations: int, threads: int)
             t0 = time.perf_counter()
             trainer.iteration(i)
             seconds.append(time.perf_counter() - t0)
-        peak, kind = memory_peak(cuda)
+        peak, base, kind = memory_peak(cuda, base)
         trainable = sum(p.numel() for p in trainer.adapter.denoiser.parameters() if p.requires_grad)
     return {"model": model, "point": point, "seconds": min(seconds), "all_seconds": seconds,
             "peak_mib": peak, "base_mib": base, "iter_mib": peak - base, "memory": kind,
@@ -145,8 +145,9 @@ def _proc_status_mib(field: str) -> float:
     raise KeyError(field)
 
 
-def memory_base(cuda: bool) -> float:
-    """Memory in use before the timed iterations (MiB), with the peak counter reset to it."""
+def memory_base(cuda: bool) -> float | None:
+    """Memory in use before the timed iterations (MiB), with the peak counter reset to it; None
+    where the peak cannot be reset (then :func:`memory_peak` reports the whole process's)."""
     import gc
 
     import torch
@@ -160,25 +161,27 @@ def memory_base(cuda: bool) -> float:
         import ctypes
 
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back, so RSS is what is in use
+    except (OSError, AttributeError):
+        pass  # not glibc: RSS may include freed pages, so base is a little high
+    try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
         return _proc_status_mib("VmRSS")
-    except (OSError, KeyError, AttributeError):
-        return 0.0
+    except (OSError, KeyError):
+        return None
 
 
-def memory_peak(cuda: bool) -> tuple[float, str]:
-    """Peak memory (MiB) since :func:`memory_base`, and what it measures."""
+def memory_peak(cuda: bool, base: float | None) -> tuple[float, float, str]:
+    """``(peak, base, kind)`` in MiB: the peak since :func:`memory_base` returned ``base``."""
     import resource
 
     import torch
 
     if cuda:
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / 2**20, "cuda_peak"
-    try:
-        return _proc_status_mib("VmHWM"), "rss_peak"
-    except (OSError, KeyError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_peak_whole_process"
+        return torch.cuda.max_memory_allocated() / 2**20, base, "cuda_peak"
+    if base is not None:
+        return _proc_status_mib("VmHWM"), base, "rss_peak"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 0.0, "rss_peak_whole_process"
 
 
 def measure(model: str, point: dict, args, out: Path) -> dict:

@@ -109,6 +109,7 @@ def test_scaling_benchmark_fits_and_resumes(repo_root, tmp_path, capsys, monkeyp
     for name in pieces:  # memory of the timed iterations only: the peak is reset after the warm-up
         piece = json.loads((tmp_path / "sd3" / name).read_text())
         assert piece["memory"] == ("rss_peak" if sys.platform == "linux" else "rss_peak_whole_process")
-        assert 0 < piece["base_mib"] <= piece["peak_mib"] and piece["iter_mib"] == piece["peak_mib"] - piece["base_mib"]
+        assert piece["iter_mib"] == piece["peak_mib"] - piece["base_mib"] and piece["iter_mib"] >= 0
+        assert piece["base_mib"] > 0 or sys.platform != "linux"
     assert scaling.main(args) == 0  # resumes: every point is read back, none rerun
     assert "- sd3" in capsys.readouterr().out and sorted(p.name for p in (tmp_path / "sd3").iterdir()) == pieces
