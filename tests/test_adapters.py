@@ -253,6 +253,23 @@ def test_two_step_sample_matches_stock_pipeline(family):
     torch.testing.assert_close(stock, ours, rtol=1e-4, atol=1e-4)
 
 
+def test_flux_packing_is_the_pipelines():
+    """pack / unpack are exactly FluxPipeline's own (static) packing, in fp32 and bf16."""
+    from diffusers import FluxPipeline
+
+    from diffalign.adapters.flux import pack_latents, unpack_latents
+
+    for shape, dtype in [((2, 16, 8, 6), torch.float32), ((3, 4, 16, 16), torch.bfloat16)]:
+        x = torch.randn(shape).to(dtype)
+        b, c, h, w = shape
+        tokens = pack_latents(x)
+        assert tokens.is_contiguous()
+        assert torch.equal(tokens, FluxPipeline._pack_latents(x, b, c, h, w))
+        assert torch.equal(unpack_latents(tokens, h, w), x)
+        # the pipeline unpacks from pixel sizes with vae_scale_factor 8: latent side = 2 * (px // 16)
+        assert torch.equal(FluxPipeline._unpack_latents(tokens, h * 8, w * 8, 8), unpack_latents(tokens, h, w))
+
+
 # ---- load_adapter resolution and errors --------------------------------------------------
 def test_default_alias_resolves_lazily_through_the_shapes_family(monkeypatch, tmp_path):
     calls = []
