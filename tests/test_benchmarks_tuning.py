@@ -53,12 +53,12 @@ def test_paired_runs_pairs_the_last_evaluations(repo_root, tmp_path, capsys):
     families = ["counting", "colors"]
     prompts = [f"{f} prompt {i}" for f in families for i in range(6)]
 
-    def write(run: str, passed_from: int) -> None:
+    def write(run: str, passed_from: int, iteration: int = 4) -> None:
         records = [{"prompt": p, "family": p.split()[0], "passed": float(i >= passed_from), "score": float(i >= passed_from)}
                    for i, p in enumerate(prompts) for _ in range(2)]
-        path = tmp_path / run / "eval_records" / "iter-000004.json"
-        path.parent.mkdir(parents=True)
-        path.write_text(json.dumps({"iteration": 4, "heldout": {"records": records}}))
+        path = tmp_path / run / "eval_records" / f"iter-{iteration:06d}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"iteration": iteration, "heldout": {"records": records}}))
 
     write("base_run", passed_from=8)  # 4 of 12 prompts pass
     write("better_run", passed_from=0)  # all pass
@@ -68,3 +68,12 @@ def test_paired_runs_pairs_the_last_evaluations(repo_root, tmp_path, capsys):
     (tmp_path / "other" / "eval_records").mkdir(parents=True)
     with pytest.raises(SystemExit, match="no eval_records"):
         paired.main([str(tmp_path / "base_run"), str(tmp_path / "other")])
+    # one run: each later evaluation against its first (iteration 4 here)
+    write("base_run", passed_from=2, iteration=8)  # 10 of 12 prompts pass
+    assert paired.main([str(tmp_path / "base_run")]) == 0
+    out = capsys.readouterr().out
+    assert "iteration 8 - iteration 4" in out
+    line = next(x for x in out.splitlines() if x.startswith("acc/images"))
+    assert "+0.500" in line and line.rstrip().endswith("*")
+    with pytest.raises(SystemExit, match="fewer than two"):
+        paired.main([str(tmp_path / "better_run")])
