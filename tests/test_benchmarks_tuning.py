@@ -77,3 +77,27 @@ def test_paired_runs_pairs_the_last_evaluations(repo_root, tmp_path, capsys):
     assert "+0.500" in line and line.rstrip().endswith("*")
     with pytest.raises(SystemExit, match="fewer than two"):
         paired.main([str(tmp_path / "better_run")])
+
+
+def test_shapes_failures_sorts_each_failed_image_once(repo_root, capsys):
+    failures = _load(repo_root, "shapes_failures")
+    record = lambda passed, **met: {"passed": passed, "requirements": met}  # noqa: E731
+    assert failures.failure_category(record(True, **{"count:circle": True, "no_extra": True})) is None
+    assert failures.failure_category(record(False)) == "rejected"  # a gate failed before any requirement
+    assert failures.failure_category(record(False, **{"count:circle": True, "color:red circle": False, "no_extra": False})) == "count"
+    assert failures.failure_category(record(False, **{"count:circle": True, "count:square": True, "relation": False,
+                                                      "no_extra": True})) == "relation"
+    assert failures.failure_category(record(False, **{"count:circle": True, "color:red circle": False, "no_extra": True})) == "colour"
+    table = failures.breakdown([{"family": "colors", **record(True)}, {"family": "colors", **record(False)},
+                                {"family": "colors", **record(False, **{"count:circle": False, "no_extra": True})},
+                                {"family": "colors", **record(False, **{"count:circle": True, "color:red circle": False})}])
+    assert table["colors"] == {"images": 4, "passed": 0.25, "rejected": 0.25, "count": 0.25, "relation": 0.0, "colour": 0.25}
+    # a whole run on the tiny model: one row per family and scale, shares that sum to 1
+    assert failures.main(["--model", "tiny:shapes", "--prompts", "validation", "--images-per-family", "2", "--steps", "2",
+                          "--guidance-scales", "1,4", "--threads", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert len(rows) == 2 * 6 and {r[0] for r in rows} == {"1.0", "4.0"}
+    for row in rows:
+        assert row[2] == "2" and sum(float(x) for x in row[3:]) == pytest.approx(1.0)
+    with pytest.raises(SystemExit, match="unknown 'nope'"):
+        failures.main(["--prompts", "nope"])
