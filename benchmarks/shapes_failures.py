@@ -82,11 +82,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--mixed-precision", choices=("auto", "bf16", "no"), default="auto",
+                   help="denoiser forwards under bf16 autocast (auto: where the CPU computes bf16 natively, as diffalign eval)")
     args = p.parse_args(argv)
 
     import torch
 
     from diffalign.adapters import load_adapter
+    from diffalign.config import native_bf16
+    from diffalign.evaluation import maybe_autocast
     from diffalign.sampling import sample_images
     from diffalign.shapes import FAMILIES, evaluation_prompts
     from reward_models.shapes_eval import ShapesEval
@@ -95,12 +99,14 @@ def main(argv=None) -> int:
     scales = [float(s) for s in args.guidance_scales.split(",") if s]
     prompts = evaluation_prompts(prompt_set(args.prompts), args.images_per_family)
     adapter = load_adapter(args.model)
-    print(f"{args.model}: {args.prompts} prompts, {len(prompts)} images, {args.steps} ODE steps, seed {args.seed}; "
-          "shares of each family's images")
+    bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and native_bf16(adapter.device.type))
+    print(f"{args.model}: {args.prompts} prompts, {len(prompts)} images, {args.steps} ODE steps, seed {args.seed}, "
+          f"{'bf16 autocast' if bf16 else 'fp32'}; shares of each family's images")
     print(f"{'cfg':>5} {'family':<14}{'images':>7}{'passed':>8}" + "".join(f"{c:>10}" for c in CATEGORIES))
     for scale in scales:
-        images = sample_images(adapter, prompts, num_steps=args.steps, guidance_scale=scale,
-                               resolution=adapter.default_resolution, seed=args.seed, batch_size=args.batch_size)
+        with maybe_autocast(torch.bfloat16 if bf16 else None, adapter.device.type):
+            images = sample_images(adapter, prompts, num_steps=args.steps, guidance_scale=scale,
+                                   resolution=adapter.default_resolution, seed=args.seed, batch_size=args.batch_size)
         table = breakdown(ShapesEval().evaluate(images, prompts))
         for family in (f for f in FAMILIES if f in table):
             row = table[family]
