@@ -33,7 +33,7 @@ def pack_latents(x: torch.Tensor) -> torch.Tensor:
     """``(B, C, h, w)`` -> ``(B, h/2 * w/2, 4C)`` tokens, as ``FluxPipeline._pack_latents``.
 
     ``pixel_unshuffle`` orders a token's channels ``(c, row, col)`` of its 2x2 patch, the same
-    order as the pipeline's view-permute, and copies faster (measured: 3x at 8 x 4 x 32 x 32)."""
+    order as the pipeline's view-permute, in one copy kernel instead of a six-dim permute."""
     return F.pixel_unshuffle(x, 2).flatten(2).transpose(1, 2).contiguous()
 
 
