@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import shutil
 import sys
@@ -63,6 +64,11 @@ def parse_args(argv=None):
                         "(unnamed families weigh 1); a curriculum for continuing a model on its weakest families")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a tiny architecture (for tests), not the shipped one")
+    p.add_argument("--no-text-time-embedding", action="store_true",
+                   help="architecture: no attention-pooled text vector in the time embedding (the prompt reaches "
+                        "the UNet through cross-attention only)")
+    p.add_argument("--cross-attention-levels", type=int, default=1,
+                   help="architecture: cross-attention at the lowest N resolution levels (1: 8x8 only; 2: also 16x16)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--state-dir", default=None,
@@ -172,6 +178,16 @@ def format_table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- architecture ---------------------------------------------------------------------------
+DEFAULT_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 1}  # the shipped model's
+
+
+def architecture(args) -> dict:
+    """The :class:`ShapesModelConfig` fields the architecture flags set (recorded in the state)."""
+    return {"text_time_embedding": not args.no_text_time_embedding,
+            "cross_attention_levels": args.cross_attention_levels}
+
+
 # ---- schedule and training state ------------------------------------------------------------
 def lr_factor(step: int, args) -> float:
     """Linear warmup, constant, then (``--decay-steps``) a linear decay to ``--final-lr-fraction``."""
@@ -213,13 +229,18 @@ def save_state(state_dir: Path, params, ema, opt, sched, rng, meta: dict) -> Non
         shutil.rmtree(old)
 
 
-def load_state(state_dir: Path, params, ema, opt, sched, rng) -> dict:
-    """Restore what :func:`save_state` wrote; returns its meta (step, loss_avg, ...)."""
+def load_state(state_dir: Path, params, ema, opt, sched, rng, arch: dict = DEFAULT_ARCHITECTURE) -> dict:
+    """Restore what :func:`save_state` wrote; returns its meta (step, loss_avg, ...). ``arch`` (the
+    architecture flags' fields) must be the one the state was trained with."""
     from safetensors.torch import load_file
 
     if not (state_dir / "state.json").is_file():
         raise SystemExit(f"--resume: no training state in {str(state_dir)!r} (state.json missing)")
     info = json.loads((state_dir / "state.json").read_text())
+    saved_arch = {**DEFAULT_ARCHITECTURE, **info.get("architecture", {})}  # older states: the shipped one
+    if saved_arch != arch:
+        raise SystemExit(f"--resume: {str(state_dir)!r} was trained with architecture {saved_arch}, "
+                         f"the arguments give {arch}; pass the same architecture flags")
     groups = {name: load_file(str(state_dir / f"{name}.safetensors")) for name in STATE_GROUPS}
     if len(groups["params"]) != len(params):
         raise SystemExit(f"--resume: {str(state_dir)!r} holds {len(groups['params'])} tensors, the model has {len(params)}")
@@ -271,7 +292,12 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     sampler = PromptSampler(train_prompts, rng, parse_family_weights(args.family_weights))
 
-    pipe = build_pipeline(config=TINY_CONFIG if args.tiny else ShapesModelConfig(), seed=args.seed)
+    arch = architecture(args)
+    try:
+        config = dataclasses.replace(TINY_CONFIG if args.tiny else ShapesModelConfig(), **arch)
+        pipe = build_pipeline(config=config, seed=args.seed)
+    except ValueError as exc:
+        raise SystemExit(f"--cross-attention-levels: {exc}") from None
     pipe.set_progress_bar_config(disable=True)
     unet, text_encoder = pipe.unet, pipe.text_encoder
     n_unet = sum(p.numel() for p in unet.parameters())
@@ -312,7 +338,7 @@ def main(argv=None) -> None:
     if args.resume:  # exact continuation: weights, EMA, optimizer, LR schedule and both RNGs
         if state_dir is None:
             raise SystemExit("--resume needs --state-dir")
-        info = load_state(state_dir, params, ema, opt, sched, rng)
+        info = load_state(state_dir, params, ema, opt, sched, rng, arch)
         step, loss_avg = info["step"], info["loss_avg"]
         print(f"resumed from {state_dir} at step {step}", flush=True)
     first_step = step
@@ -360,7 +386,7 @@ def main(argv=None) -> None:
             say(f"step {step:5d}  loss {loss_avg:.4f}  grad {grad_norm:.2f}  lr {sched.get_last_lr()[0]:.2e}  "
                 f"{(step - first_step) / el:.2f} steps/s  {el / 60:.1f} min")
         if state_dir is not None and step % args.ckpt_every == 0:
-            save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg})
+            save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg, "architecture": arch})
             if not args.no_eval and step % args.ckpt_every == 0:
                 t_ev = time.time()
                 res = evaluate(eval_pipe(*ema_state()), heldout_prompts, 16, args.eval_steps, cfg_scale)
@@ -370,7 +396,7 @@ def main(argv=None) -> None:
     bar.close()
     print(f"trained to step {step} ({step - first_step} steps) in {(time.time() - start) / 60:.1f} min", flush=True)
     if state_dir is not None and not args.export_only:
-        save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg})
+        save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg, "architecture": arch})
     unet_sd, text_sd = ema_state()
     save(eval_pipe(unet_sd, text_sd), unet_sd, args.out)
     print(f"saved to {args.out}", flush=True)

@@ -50,6 +50,22 @@ def test_resume_without_state_is_a_clear_error(pretrain, tmp_path):
         _run(pretrain, tmp_path, "none", 2, "--resume")
 
 
+def test_architecture_flags_build_save_and_guard_the_resume(pretrain, tmp_path):
+    state = _run(pretrain, tmp_path, "arch", 2, "--until", "1", "--no-text-time-embedding", "--cross-attention-levels", "2")
+    assert json.loads((state / "state.json").read_text())["architecture"] == {
+        "text_time_embedding": False, "cross_attention_levels": 2}
+    with pytest.raises(SystemExit, match="was trained with architecture"):
+        _run(pretrain, tmp_path, "arch", 2, "--resume")  # the default flags: another architecture
+    _run(pretrain, tmp_path, "arch", 2, "--resume", "--no-text-time-embedding", "--cross-attention-levels", "2")
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    unet = ShapesPipeline.from_pretrained(str(tmp_path / "arch" / "model")).unet
+    assert unet.config.addition_embed_type is None
+    assert list(unet.config.down_block_types) == ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"]
+    with pytest.raises(SystemExit, match="--cross-attention-levels"):
+        _run(pretrain, tmp_path, "bad", 2, "--cross-attention-levels", "4")
+
+
 def test_learning_rate_warms_up_holds_then_decays(pretrain):
     args = pretrain.parse_args(["--steps", "100", "--warmup", "10", "--decay-steps", "20", "--final-lr-fraction", "0.1"])
     f = [pretrain.lr_factor(s, args) for s in range(101)]
