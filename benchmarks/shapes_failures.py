@@ -16,6 +16,11 @@ first of these that applies:
 
 Prints, per family, the pass rate and the share of the family's images in each category, so a
 failure mode (drawing nothing, miscounting, colours bound to the wrong object) reads off the table.
+A second table splits the colour failures of colour attribution ("a red circle and a blue
+square") by what the two objects show (:data:`BINDING_KINDS`): ``swapped`` (each in the other's
+colour), ``one_colour`` (both in the same one of the two named colours: the prompt's colours
+treated as one property of the whole image), ``one_right`` (one object right, the other in an
+unnamed colour) and ``other``.
 A diagnostic, not a headline: no intervals (``diffalign eval`` gives those).
 """
 
@@ -31,6 +36,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 CATEGORIES = ("rejected", "count", "relation", "colour")
+BINDING_KINDS = ("swapped", "one_colour", "one_right", "other")
 
 
 def prompt_set(name: str) -> list[str]:
@@ -57,6 +63,33 @@ def failure_category(record: dict) -> str | None:
     if "relation" in failed:
         return "relation"
     return "colour"
+
+
+def binding_kind(record: dict) -> str | None:
+    """What a colour-attribution image with a colour failure shows (one of :data:`BINDING_KINDS`);
+    ``None`` for any other image."""
+    from diffalign.shapes.world import parse_prompt
+
+    if record["family"] != "color_attr" or failure_category(record) != "colour":
+        return None
+    wanted = {o.shape: o.color for o in parse_prompt(record["prompt"]).objects}
+    got = {o["shape"]: o["color"] for o in record["objects"]}  # the count check passed: one per shape
+    shown = [got[shape] for shape in wanted]
+    named = set(wanted.values())
+    if set(shown) == named:  # both named colours, and not on their shapes
+        return "swapped"
+    if len(set(shown)) == 1 and shown[0] in named:
+        return "one_colour"
+    if any(got[shape] == colour for shape, colour in wanted.items()):
+        return "one_right"
+    return "other"
+
+
+def binding_breakdown(records: list[dict]) -> dict[str, float]:
+    """Shares of the colour-attribution images in each of :data:`BINDING_KINDS` (plus ``images``)."""
+    rows = [r for r in records if r["family"] == "color_attr"]
+    kinds = Counter(binding_kind(r) for r in rows)
+    return {"images": len(rows), **{k: kinds[k] / len(rows) if rows else 0.0 for k in BINDING_KINDS}}
 
 
 def breakdown(records: list[dict]) -> dict[str, dict[str, float]]:
@@ -103,15 +136,23 @@ def main(argv=None) -> int:
     print(f"{args.model}: {args.prompts} prompts, {len(prompts)} images, {args.steps} ODE steps, seed {args.seed}, "
           f"{'bf16 autocast' if bf16 else 'fp32'}; shares of each family's images")
     print(f"{'cfg':>5} {'family':<14}{'images':>7}{'passed':>8}" + "".join(f"{c:>10}" for c in CATEGORIES))
+    binding = {}
     for scale in scales:
         with maybe_autocast(torch.bfloat16 if bf16 else None, adapter.device.type):
             images = sample_images(adapter, prompts, num_steps=args.steps, guidance_scale=scale,
                                    resolution=adapter.default_resolution, seed=args.seed, batch_size=args.batch_size)
-        table = breakdown(ShapesEval().evaluate(images, prompts))
+        records = ShapesEval().evaluate(images, prompts)
+        table = breakdown(records)
         for family in (f for f in FAMILIES if f in table):
             row = table[family]
             print(f"{scale:>5.1f} {family:<14}{row['images']:>7}{row['passed']:>8.3f}"
                   + "".join(f"{row[c]:>10.3f}" for c in CATEGORIES), flush=True)
+        binding[scale] = binding_breakdown(records)
+    if any(row["images"] for row in binding.values()):
+        print("\ncolour attribution, colour failures by what the two objects show (shares of its images)")
+        print(f"{'cfg':>5} {'images':>7}" + "".join(f"{k:>11}" for k in BINDING_KINDS))
+        for scale, row in binding.items():
+            print(f"{scale:>5.1f} {row['images']:>7}" + "".join(f"{row[k]:>11.3f}" for k in BINDING_KINDS))
     return 0
 
 

@@ -92,10 +92,29 @@ def test_shapes_failures_sorts_each_failed_image_once(repo_root, capsys):
                                 {"family": "colors", **record(False, **{"count:circle": False, "no_extra": True})},
                                 {"family": "colors", **record(False, **{"count:circle": True, "color:red circle": False})}])
     assert table["colors"] == {"images": 4, "passed": 0.25, "rejected": 0.25, "count": 0.25, "relation": 0.0, "colour": 0.25}
+    # colour attribution's colour failures by what the objects show
+    prompt = "a photo of a red circle and a blue square"
+    met = {"count:circle": True, "count:square": True, "no_extra": True, "color:red circle": False}
+
+    def shown(circle, square, passed=False):
+        return {"family": "color_attr", "prompt": prompt, "passed": passed, "requirements": met,
+                "objects": [{"shape": "circle", "color": circle}, {"shape": "square", "color": square}]}
+
+    assert failures.binding_kind(shown("blue", "red")) == "swapped"
+    assert failures.binding_kind(shown("red", "red")) == failures.binding_kind(shown("blue", "blue")) == "one_colour"
+    assert failures.binding_kind(shown("red", "green")) == failures.binding_kind(shown("cyan", "blue")) == "one_right"
+    assert failures.binding_kind(shown("green", "green")) == failures.binding_kind(shown("blue", "green")) == "other"
+    assert failures.binding_kind(shown("red", "blue", passed=True)) is None
+    assert failures.binding_kind({**shown("blue", "red"), "family": "colors"}) is None
+    assert failures.binding_breakdown([shown("blue", "red"), shown("red", "red"), shown("red", "blue", passed=True),
+                                       {"family": "colors", **record(True)}]) == {
+        "images": 3, "swapped": pytest.approx(1 / 3), "one_colour": pytest.approx(1 / 3), "one_right": 0.0, "other": 0.0}
     # a whole run on the tiny model: one row per family and scale, shares that sum to 1
     assert failures.main(["--model", "tiny:shapes", "--prompts", "validation", "--images-per-family", "2", "--steps", "2",
                           "--guidance-scales", "1,4", "--threads", "1"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    out = capsys.readouterr().out.split("\n\ncolour attribution")
+    assert len(out) == 2 and len(out[1].strip().splitlines()) == 1 + 1 + 2  # title, header, one row per scale
+    rows = [line.split() for line in out[0].splitlines()[2:]]
     assert len(rows) == 2 * 6 and {r[0] for r in rows} == {"1.0", "4.0"}
     for row in rows:
         assert row[2] == "2" and sum(float(x) for x in row[3:]) == pytest.approx(1.0)
