@@ -179,7 +179,9 @@ def format_table(rows: dict[str, dict]) -> str:
 
 
 # ---- architecture ---------------------------------------------------------------------------
-DEFAULT_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 1}  # the shipped model's
+# What a state without an "architecture" record was trained with: every state saved before the
+# flags existed (the shipped model's architecture when they were added), whatever the defaults become.
+DEFAULT_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 1}
 
 
 def architecture(args) -> dict:
@@ -293,11 +295,11 @@ def main(argv=None) -> None:
     sampler = PromptSampler(train_prompts, rng, parse_family_weights(args.family_weights))
 
     arch = architecture(args)
-    try:
-        config = dataclasses.replace(TINY_CONFIG if args.tiny else ShapesModelConfig(), **arch)
-        pipe = build_pipeline(config=config, seed=args.seed)
-    except ValueError as exc:
-        raise SystemExit(f"--cross-attention-levels: {exc}") from None
+    config = dataclasses.replace(TINY_CONFIG if args.tiny else ShapesModelConfig(), **arch)
+    levels = len(config.block_out_channels)
+    if not 1 <= args.cross_attention_levels <= levels:
+        raise SystemExit(f"--cross-attention-levels must be 1..{levels} (the UNet's levels), got {args.cross_attention_levels}")
+    pipe = build_pipeline(config=config, seed=args.seed)
     pipe.set_progress_bar_config(disable=True)
     unet, text_encoder = pipe.unet, pipe.text_encoder
     n_unet = sum(p.numel() for p in unet.parameters())
