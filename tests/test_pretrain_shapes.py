@@ -66,6 +66,20 @@ def test_architecture_flags_build_save_and_guard_the_resume(pretrain, tmp_path):
         _run(pretrain, tmp_path, "bad", 2, "--cross-attention-levels", "4")
 
 
+def test_states_without_an_architecture_record_resume_with_cross_attention_at_8x8(pretrain, tmp_path):
+    """States saved before the architecture flags existed (the earlier shipped model's) record no
+    architecture: they are the 8x8-only UNet, so they resume with ``--cross-attention-levels 1`` and
+    are refused with the (16x16) defaults."""
+    state = _run(pretrain, tmp_path, "old", 2, "--until", "1", "--cross-attention-levels", "1")
+    info = json.loads((state / "state.json").read_text())
+    del info["architecture"]
+    (state / "state.json").write_text(json.dumps(info))
+    with pytest.raises(SystemExit, match="was trained with architecture"):
+        _run(pretrain, tmp_path, "old", 2, "--resume")
+    _run(pretrain, tmp_path, "old", 2, "--resume", "--cross-attention-levels", "1")
+    assert json.loads((state / "state.json").read_text())["step"] == 2
+
+
 def test_learning_rate_warms_up_holds_then_decays(pretrain):
     args = pretrain.parse_args(["--steps", "100", "--warmup", "10", "--decay-steps", "20", "--final-lr-fraction", "0.1"])
     f = [pretrain.lr_factor(s, args) for s in range(101)]
@@ -88,11 +102,13 @@ def test_export_only_writes_the_state_without_training(pretrain, tmp_path):
 
 
 def test_committed_state_is_complete_and_is_the_shipped_model(pretrain, repo_root):
-    """scripts/pretrain_state/shapes-t2i holds the exact state the shipped model was saved from:
-    every group, each file under 20 MB, and its EMA weights are the shipped UNet (stored in fp16)."""
-    state = repo_root / "scripts" / "pretrain_state" / "shapes-t2i"
+    """scripts/pretrain_state/shapes-t2i-xattn16-pooled holds the exact state the shipped model was
+    saved from: every group, each file under 20 MB, the default architecture, and its EMA weights are
+    the shipped UNet (stored in fp16)."""
+    state = repo_root / "scripts" / "pretrain_state" / "shapes-t2i-xattn16-pooled"
     info = json.loads((state / "state.json").read_text())
     assert info["step"] == pretrain.parse_args([]).steps
+    assert info["architecture"] == pretrain.architecture(pretrain.parse_args([])) == pretrain.DEFAULT_ARCHITECTURE
     for name in (*pretrain.STATE_GROUPS, "rng"):
         f = state / f"{name}.safetensors"
         assert f.is_file() and f.stat().st_size < 20 * 2**20, f
