@@ -5,13 +5,14 @@ Pixel-space rectified flow at 32x32: the "latent" is the image in ``[-1, 1]``, `
 The pretrained weights ship with the package (:data:`SHIPPED_MODEL_DIR`), so this family runs
 offline on a laptop CPU.
 
-LoRA targets: the UNet has attention only at the 8x8 level and in the mid block, so LoRA on the
-attention projections alone touches a small part of the network and none of the 16x16 / 32x32
-layers that draw edges and place small objects. The defaults add the resnet convolutions
-(``conv1``, ``conv2``; peft handles ``Conv2d`` LoRA) and the rest of the transformer blocks
-(``proj_in``, ``proj_out``, feed-forward). Quick check (supervised flow-matching LoRA fine-tune
-on held-out prompts, r 16, lr 3e-4, 40 steps of 32 images): held-out loss 0.0632 -> 0.0631 with
-attention only (131k LoRA parameters) vs 0.0632 -> 0.0617 with the defaults (626k).
+LoRA targets: the UNet has attention only at the 16x16 and 8x8 levels and in the mid block, so
+LoRA on the attention projections alone touches none of the 32x32 layers that draw edges and
+small objects. The defaults add the resnet convolutions (``conv1``, ``conv2``; peft handles
+``Conv2d`` LoRA) and the rest of the transformer blocks (``proj_in``, ``proj_out``,
+feed-forward). Quick check on the earlier shipped model, whose attention was at 8x8 only
+(supervised flow-matching LoRA fine-tune on held-out prompts, r 16, lr 3e-4, 40 steps of 32
+images): held-out loss 0.0632 -> 0.0631 with attention only (131k LoRA parameters) vs 0.0632 ->
+0.0617 with the defaults (626k).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class ShapesAdapter(ModelAdapter):
     prediction_type: ClassVar[str] = "flow"
     default_resolution: ClassVar[int] = 32
     default_lora_targets: ClassVar[list[str]] = [
-        "to_q", "to_k", "to_v", "to_out.0",  # self- and cross-attention (8x8 level, mid block)
+        "to_q", "to_k", "to_v", "to_out.0",  # self- and cross-attention (16x16, 8x8, mid block)
         "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",  # rest of the transformer blocks
         "conv1", "conv2",  # resnet convolutions at every resolution
     ]
