@@ -120,3 +120,13 @@ def test_shapes_failures_sorts_each_failed_image_once(repo_root, capsys):
         assert row[2] == "2" and sum(float(x) for x in row[3:]) == pytest.approx(1.0)
     with pytest.raises(SystemExit, match="unknown 'nope'"):
         failures.main(["--prompts", "nope"])
+
+
+def test_eval_steps_pairs_each_step_count_with_the_largest(repo_root, capsys):
+    eval_steps = _load(repo_root, "eval_steps")
+    assert eval_steps.main(["--model", "tiny:shapes", "--steps", "3,1", "--images-per-family", "2", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "paired against 3 steps" in out and "1 steps - 3 steps" in out
+    assert "1 steps: sampled and scored in" in out and "3 steps: sampled and scored in" in out
+    with pytest.raises(SystemExit, match="at least two"):
+        eval_steps.main(["--steps", "10"])
