@@ -46,6 +46,12 @@ VARIANTS: dict[str, list[str]] = {
     "full_lr3e-5_steps4": [*FULL, "optim.lr=3e-5", "train.optimizer_steps_per_iteration=4"],
     "full_lr3e-5_noise1": [*FULL, "optim.lr=3e-5", "sampling.noise_level=1.0"],
     "full_lr3e-5_group16x4": [*FULL, "optim.lr=3e-5", "rollout.group_size=16", "rollout.prompts_per_iteration=4"],
+    "full_lr2e-4": [*FULL, "optim.lr=2e-4"],
+    # more updates per sample: 4 optimizer steps per iteration (2 micro-batches each); only from the
+    # second step on is a ratio off 1, so a clip of the log ratio's order (1e-4) can act
+    "full_lr1e-4_steps4": [*FULL, "optim.lr=1e-4", "train.optimizer_steps_per_iteration=4"],
+    "full_lr3e-4_clip1e-4_steps4": [*FULL, "optim.lr=3e-4", "algorithm.clip_range=1e-4",
+                                    "train.optimizer_steps_per_iteration=4"],
 }
 METRICS = ("eval/acc/images", "eval/reward_mean", "eval/acc/overall")  # pass rate, partial credit, family mean
 
