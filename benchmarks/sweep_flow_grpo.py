@@ -52,6 +52,8 @@ VARIANTS: dict[str, list[str]] = {
     "full_lr1e-4_steps4": [*FULL, "optim.lr=1e-4", "train.optimizer_steps_per_iteration=4"],
     "full_lr3e-4_clip1e-4_steps4": [*FULL, "optim.lr=3e-4", "algorithm.clip_range=1e-4",
                                     "train.optimizer_steps_per_iteration=4"],
+    # twice the rollouts on the two families the shipped model fails most (position, colour attribution)
+    "full_lr1e-4_hard2": [*FULL, "optim.lr=1e-4", "prompts.family_weights={position: 2, color_attr: 2}"],
 }
 METRICS = ("eval/acc/images", "eval/reward_mean", "eval/acc/overall")  # pass rate, partial credit, family mean
 

@@ -121,6 +121,9 @@ class PromptsConfig:
     eval_fraction: float = 0.0
     families: list[str] = field(default_factory=list)  # source=shapes: restrict to these task families
     balance_families: bool = False  # source=shapes: draw training prompts family-uniformly (as GenEval's overall weighs families)
+    # source=shapes with balance_families: draw each named family this many times as often as an
+    # unnamed one (weight 1), e.g. {position: 2, color_attr: 2}: rollouts go where the model still fails
+    family_weights: dict = field(default_factory=dict)
     # source=shapes: "heldout" trains on the train split and evaluates on held-out prompts;
     # "validation" (hyperparameter search) trains on the train split less a validation subset and
     # evaluates on that subset, so held-out and probe prompts never inform a choice.
@@ -135,6 +138,12 @@ class PromptsConfig:
         check(not (self.eval_fraction and (self.eval_file or self.eval_split)), "prompts.eval_fraction",
               "cannot be combined with prompts.eval_file or prompts.eval_split (they already give the eval prompts)")
         check(bool(self.column), "prompts.column", "must not be empty")
+        if self.family_weights:
+            check(self.source == "shapes" and self.balance_families, "prompts.family_weights",
+                  "applies to prompts.source=shapes with prompts.balance_families=true")
+            for family, weight in self.family_weights.items():
+                check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight <= 100,
+                      f"prompts.family_weights.{family}", f"must be a number in (0, 100], got {weight!r}")
 
 
 @dataclass

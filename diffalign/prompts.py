@@ -65,13 +65,19 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
             train = [x for x in train if prompt_family(x) in p.families]
             heldout = [x for x in heldout if prompt_family(x) in p.families]
         if p.balance_families:
-            # Repeat each family's prompts up to the largest family's count, so that an epoch of the
-            # prompt sampler visits every family about equally often.
+            # Repeat each family's prompts up to the largest family's count (times its weight), so
+            # that an epoch of the prompt sampler visits every family about equally often (or in
+            # proportion to prompts.family_weights).
             by_family: dict[str, list[str]] = {}
             for x in train:
                 by_family.setdefault(prompt_family(x), []).append(x)
+            unknown = sorted(set(p.family_weights) - set(by_family))
+            if unknown:
+                raise ConfigError(f"config key 'prompts.family_weights' names families without training prompts: "
+                                  f"{', '.join(unknown)} (known: {', '.join(by_family)})")
             largest = max(len(v) for v in by_family.values())
-            train = [v[i % len(v)] for v in by_family.values() for i in range(largest)]
+            train = [v[i % len(v)] for f, v in by_family.items()
+                     for i in range(max(1, round(largest * p.family_weights.get(f, 1))))]
         return train, heldout
     if p.source == "list":
         return list(p.train), list(p.eval or p.train)

@@ -139,3 +139,26 @@ def test_validation_mode_trains_and_evaluates_on_training_prompts_only(repo_root
     split = split_prompts()
     assert (sorted(train), sorted(evaluation)) == validation_split(split)
     assert set(evaluation).isdisjoint(split.heldout + split.probe)
+
+
+def test_family_weights_set_each_familys_share_of_the_rollouts(tmp_path):
+    from collections import Counter
+
+    from diffalign.config_files import load_config
+    from diffalign.errors import ConfigError
+    from diffalign.prompts import PromptSampler, resolve_prompts
+    from diffalign.shapes import prompt_family
+
+    base = [f"output_dir={tmp_path}", "prompts.balance_families=true"]
+    train, _ = resolve_prompts(load_config(None, [*base, "prompts.family_weights={position: 3, color_attr: 2}"]))
+    epoch = Counter(prompt_family(p) for p in train)  # one pass of the sampler: the exact shares
+    assert epoch["position"] == 3 * epoch["counting"] and epoch["color_attr"] == 2 * epoch["counting"]
+    assert epoch["single_object"] == epoch["two_object"] == epoch["colors"] == epoch["counting"]
+    counts = Counter(prompt_family(p) for p in PromptSampler(train, 0).next(len(train)))
+    assert counts == epoch
+    with pytest.raises(ConfigError, match="prompts.family_weights.*known"):
+        resolve_prompts(load_config(None, [*base, "prompts.family_weights={colour: 2}"]))
+    with pytest.raises(ConfigError, match="prompts.family_weights.position"):
+        load_config(None, [*base, "prompts.family_weights={position: 0}"])
+    with pytest.raises(ConfigError, match="balance_families"):
+        load_config(None, [f"output_dir={tmp_path}", "prompts.family_weights={position: 2}"])
