@@ -130,3 +130,16 @@ def test_eval_steps_pairs_each_step_count_with_the_largest(repo_root, capsys):
     assert "1 steps: sampled and scored in" in out and "3 steps: sampled and scored in" in out
     with pytest.raises(SystemExit, match="at least two"):
         eval_steps.main(["--steps", "10"])
+
+
+def test_shapes_configs_runs_one_iteration_of_each(repo_root, tmp_path, capsys):
+    configs = _load(repo_root, "shapes_configs")
+    small = ["model.id=tiny:shapes", "rollout.prompts_per_iteration=2", "rollout.sample_batch_size=8", "sampling.eval_num_steps=2"]
+    assert configs.main(["--configs", "flow_grpo", "--out", str(tmp_path), "--eval-images", "4", *small]) == 0
+    out = capsys.readouterr().out
+    assert "flow_grpo" in out and "1 of 1 configs ran" in out
+    rows = [json.loads(line) for line in (tmp_path / "flow_grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if not r.get("eval")] == [0]  # one iteration, then one evaluation
+    assert [r["eval/num_images"] for r in rows if r.get("eval")] == [4]
+    with pytest.raises(SystemExit, match="unknown"):
+        configs.main(["--configs", "nope"])
