@@ -23,11 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# Small judge training: enough pairs and steps to write a model the run can load.
-SPM_SMALL = ["algorithm.spm_train.pairs.images_per_prompt=2", "algorithm.spm_train.pairs.num_steps=4",
-             "algorithm.spm_train.train.steps=10"]
-DRM_SMALL = ["algorithm.drm_train.pairs.samples_per_prompt=2", "algorithm.drm_train.pairs.num_steps=4",
-             "algorithm.drm_train.train.steps=10"]
+# Small judge training: enough pairs and steps to write a model the run can load (train-spm and
+# train-reward read the run config's algorithm.spm_train / drm_train section; their overrides
+# address that section's keys).
+SPM_SMALL = ["pairs.images_per_prompt=2", "pairs.num_steps=4", "train.steps=10"]
+DRM_SMALL = ["pairs.samples_per_prompt=2", "pairs.num_steps=4", "train.steps=10"]
 
 
 def run_config(name: str, out: Path, eval_images: int, overrides: list[str]) -> dict:
@@ -41,14 +41,14 @@ def run_config(name: str, out: Path, eval_images: int, overrides: list[str]) -> 
     if name == "spo":
         spm = str(out / "spm")
         shutil.rmtree(spm, ignore_errors=True)
-        code = cli(["train-spm", config, "--quiet", f"algorithm.spm_kwargs.model={spm}", *SPM_SMALL, *overrides])
+        code = cli(["train-spm", config, "--quiet", f"output_dir={spm}", *SPM_SMALL])
         if code:
             return {"config": name, "exit": code, "seconds": time.perf_counter() - t0, "stage": "train-spm"}
         prep = [f"algorithm.spm_kwargs.model={spm}"]
     if name == "drm_step_grpo":
         drm = str(out / "drm")
         shutil.rmtree(drm, ignore_errors=True)
-        code = cli(["train-reward", config, "--quiet", f"reward.kwargs.path={drm}", *DRM_SMALL, *overrides])
+        code = cli(["train-reward", config, "--quiet", f"output_dir={drm}", *DRM_SMALL])
         if code:
             return {"config": name, "exit": code, "seconds": time.perf_counter() - t0, "stage": "train-reward"}
         prep = [f"reward.kwargs.path={drm}"]
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="", help="comma-separated names in configs/shapes (default: all)")
     p.add_argument("--out", default=str(ROOT / "runs/shapes_configs"))
     p.add_argument("--eval-images", type=int, default=12, help="images of the evaluation after the iteration")
-    p.add_argument("overrides", nargs="*", help="key=value applied to every command (e.g. model.id=...)")
+    p.add_argument("overrides", nargs="*", help="key=value applied to every training run (e.g. model.id=...)")
     args = p.parse_args(argv)
     known = sorted(f.stem for f in (ROOT / "configs" / "shapes").glob("*.yaml"))
     names = [n for n in args.configs.split(",") if n] or known
