@@ -28,6 +28,9 @@ sys.path.insert(0, str(ROOT))
 # address that section's keys).
 SPM_SMALL = ["pairs.images_per_prompt=2", "pairs.num_steps=4", "train.steps=10"]
 DRM_SMALL = ["pairs.samples_per_prompt=2", "pairs.num_steps=4", "train.steps=10"]
+# config -> (command that trains its judge, small settings, the run's key that names the judge's folder)
+JUDGES = {"spo": ("train-spm", SPM_SMALL, "algorithm.spm_kwargs.model"),
+          "drm_step_grpo": ("train-reward", DRM_SMALL, "reward.kwargs.path")}
 
 
 def run_config(name: str, out: Path, eval_images: int, overrides: list[str]) -> dict:
@@ -38,20 +41,14 @@ def run_config(name: str, out: Path, eval_images: int, overrides: list[str]) -> 
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.perf_counter()
     prep = []
-    if name == "spo":
-        spm = str(out / "spm")
-        shutil.rmtree(spm, ignore_errors=True)
-        code = cli(["train-spm", config, "--quiet", f"output_dir={spm}", *SPM_SMALL])
+    if name in JUDGES:
+        command, small, key = JUDGES[name]
+        judge = str(out / f"{name}_judge")
+        shutil.rmtree(judge, ignore_errors=True)
+        code = cli([command, config, "--quiet", f"output_dir={judge}", *small])
         if code:
-            return {"config": name, "exit": code, "seconds": time.perf_counter() - t0, "stage": "train-spm"}
-        prep = [f"algorithm.spm_kwargs.model={spm}"]
-    if name == "drm_step_grpo":
-        drm = str(out / "drm")
-        shutil.rmtree(drm, ignore_errors=True)
-        code = cli(["train-reward", config, "--quiet", f"output_dir={drm}", *DRM_SMALL])
-        if code:
-            return {"config": name, "exit": code, "seconds": time.perf_counter() - t0, "stage": "train-reward"}
-        prep = [f"reward.kwargs.path={drm}"]
+            return {"config": name, "exit": code, "seconds": time.perf_counter() - t0, "stage": command}
+        prep = [f"{key}={judge}"]
     code = cli(["train", config, "--quiet", f"output_dir={run_dir}", "max_iterations=1", "eval.at_start=false",
                 "eval.probe=false", f"eval.num_prompts={eval_images}", "checkpoint.every=0", "log.report=false", *prep, *overrides])
     result = {"config": name, "exit": code, "seconds": time.perf_counter() - t0, "stage": "train"}
