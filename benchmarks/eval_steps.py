@@ -24,9 +24,8 @@ def main(argv=None) -> int:
     import torch
 
     from diffalign.adapters import load_adapter
-    from diffalign.evaluation import LEGEND, comparison_columns, evaluate_shapes, format_table
+    from diffalign.evaluation import LEGEND, comparison_columns, eval_autocast_dtype, evaluate_shapes, format_table
     from diffalign.shapes import split_prompts, validation_split
-    from diffalign.config import native_bf16
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", default="10,20", help="comma-separated ODE step counts; the largest is the reference")
@@ -49,8 +48,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     _, validation = validation_split(split_prompts())
     adapter = load_adapter(args.model)
-    bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and native_bf16("cpu"))
-    dtype = torch.bfloat16 if bf16 else None
+    dtype = eval_autocast_dtype(args.mixed_precision, adapter.device.type)
     evaluations = {}
     for n in counts:
         evaluations[f"{n} steps"] = evaluate_shapes(adapter, validation, images_per_family=args.images_per_family,

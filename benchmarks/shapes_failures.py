@@ -122,8 +122,7 @@ def main(argv=None) -> int:
     import torch
 
     from diffalign.adapters import load_adapter
-    from diffalign.config import native_bf16
-    from diffalign.evaluation import maybe_autocast
+    from diffalign.evaluation import eval_autocast_dtype, maybe_autocast
     from diffalign.sampling import sample_images
     from diffalign.shapes import FAMILIES, evaluation_prompts
     from reward_models.shapes_eval import ShapesEval
@@ -132,13 +131,13 @@ def main(argv=None) -> int:
     scales = [float(s) for s in args.guidance_scales.split(",") if s]
     prompts = evaluation_prompts(prompt_set(args.prompts), args.images_per_family)
     adapter = load_adapter(args.model)
-    bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and native_bf16(adapter.device.type))
+    dtype = eval_autocast_dtype(args.mixed_precision, adapter.device.type)
     print(f"{args.model}: {args.prompts} prompts, {len(prompts)} images, {args.steps} ODE steps, seed {args.seed}, "
-          f"{'bf16 autocast' if bf16 else 'fp32'}; shares of each family's images")
+          f"{'bf16 autocast' if dtype is not None else 'fp32'}; shares of each family's images")
     print(f"{'cfg':>5} {'family':<14}{'images':>7}{'passed':>8}" + "".join(f"{c:>10}" for c in CATEGORIES))
     binding = {}
     for scale in scales:
-        with maybe_autocast(torch.bfloat16 if bf16 else None, adapter.device.type):
+        with maybe_autocast(dtype, adapter.device.type):
             images = sample_images(adapter, prompts, num_steps=args.steps, guidance_scale=scale,
                                    resolution=adapter.default_resolution, seed=args.seed, batch_size=args.batch_size)
         records = ShapesEval().evaluate(images, prompts)

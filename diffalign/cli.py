@@ -88,7 +88,9 @@ def _cmd_eval(args) -> int:
     from diffalign.export import load_trained_adapter
 
     _check_sampling_args(args)
-    args.autocast_dtype = _eval_autocast_dtype(args.mixed_precision)
+    from diffalign.evaluation import eval_autocast_dtype
+
+    args.autocast_dtype = eval_autocast_dtype(args.mixed_precision)
     if args.protocol == "geneval":
         from diffalign.geneval import run_from_args
 
@@ -104,20 +106,6 @@ def _cmd_eval(args) -> int:
     if args.reward == "shapes_eval":
         return _eval_shapes(args, prompts, what, models)
     return _eval_other(args, prompts, models)
-
-
-def _eval_autocast_dtype(mixed_precision: str):
-    """The denoiser's autocast dtype for evaluation: ``auto`` is bf16 where the CPU computes it
-    natively (as a run with ``train.mixed_precision: auto`` evaluates, so the numbers match its
-    report), ``no`` is fp32 throughout. Step kernels and scoring stay fp32 either way."""
-    import torch
-
-    from diffalign.config import native_bf16
-
-    if mixed_precision not in ("auto", "bf16", "no"):
-        raise DiffalignError(f"--mixed-precision must be auto, bf16 or no, got {mixed_precision!r}")
-    use_bf16 = mixed_precision == "bf16" or (mixed_precision == "auto" and native_bf16("cpu"))
-    return torch.bfloat16 if use_bf16 else None
 
 
 def _eval_other(args, prompts: list[str], models) -> int:

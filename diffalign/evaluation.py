@@ -91,6 +91,19 @@ def is_bound_key(key: str) -> bool:
     return key.endswith(("_lo", "_hi"))
 
 
+def eval_autocast_dtype(mixed_precision: str, device_type: str = "cpu") -> torch.dtype | None:
+    """The denoiser's autocast dtype for evaluation: ``auto`` is bf16 where ``device_type`` computes
+    it natively (as a run with ``train.mixed_precision: auto`` evaluates, so the numbers match its
+    report), ``bf16`` always, ``no`` is fp32 throughout. Step kernels and scoring stay fp32 either way."""
+    from diffalign.config import native_bf16
+    from diffalign.errors import DiffalignError
+
+    if mixed_precision not in ("auto", "bf16", "no"):
+        raise DiffalignError(f"--mixed-precision must be auto, bf16 or no, got {mixed_precision!r}")
+    use_bf16 = mixed_precision == "bf16" or (mixed_precision == "auto" and native_bf16(device_type))
+    return torch.bfloat16 if use_bf16 else None
+
+
 def maybe_autocast(dtype: torch.dtype | None, device_type: str):
     """``torch.autocast`` to ``dtype`` on ``device_type``, or a no-op context when ``dtype`` is None."""
     return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
