@@ -54,6 +54,11 @@ VARIANTS: dict[str, list[str]] = {
                                     "train.optimizer_steps_per_iteration=4"],
     # twice the rollouts on the two families the shipped model fails most (position, colour attribution)
     "full_lr1e-4_hard2": [*FULL, "optim.lr=1e-4", "prompts.family_weights={position: 2, color_attr: 2}"],
+    # pass/fail reward (the headline metric) instead of partial credit, which pays for drawing the
+    # named objects even when the relation or the colour binding is wrong
+    "full_lr1e-4_passfail": [*FULL, "optim.lr=1e-4", "reward.kwargs.partial_credit=false"],
+    "full_lr1e-4_passfail_hard2": [*FULL, "optim.lr=1e-4", "reward.kwargs.partial_credit=false",
+                                   "prompts.family_weights={position: 2, color_attr: 2}"],
 }
 METRICS = ("eval/acc/images", "eval/reward_mean", "eval/acc/overall")  # pass rate, partial credit, family mean
 
