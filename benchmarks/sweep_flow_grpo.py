@@ -57,8 +57,8 @@ VARIANTS: dict[str, list[str]] = {
     # pass/fail reward (the headline metric) instead of partial credit, which pays for drawing the
     # named objects even when the relation or the colour binding is wrong
     "full_lr1e-4_passfail": [*FULL, "optim.lr=1e-4", "reward.kwargs.partial_credit=false"],
-    "full_lr1e-4_passfail_hard2": [*FULL, "optim.lr=1e-4", "reward.kwargs.partial_credit=false",
-                                   "prompts.family_weights={position: 2, color_attr: 2}"],
+    "full_lr1e-4_passfail_hard4": [*FULL, "optim.lr=1e-4", "reward.kwargs.partial_credit=false",
+                                   "prompts.family_weights={position: 4, color_attr: 4}"],
 }
 METRICS = ("eval/acc/images", "eval/reward_mean", "eval/acc/overall")  # pass rate, partial credit, family mean
 
