@@ -20,7 +20,11 @@ A second table splits the colour failures of colour attribution ("a red circle a
 square") by what the two objects show (:data:`BINDING_KINDS`): ``swapped`` (each in the other's
 colour), ``one_colour`` (both in the same one of the two named colours: the prompt's colours
 treated as one property of the whole image), ``one_right`` (one object right, the other in an
-unnamed colour) and ``other``.
+unnamed colour) and ``other``. A third table asks whether the model reads the relation word:
+of the position images with the right objects, the share where the prompted
+relation holds (they pass), where the opposite one holds instead ("left of" for "right of", "above"
+for "below") and where neither does. A model that ignores the relation passes about as often as it
+draws the opposite.
 A diagnostic, not a headline: no intervals (``diffalign eval`` gives those).
 """
 
@@ -37,6 +41,8 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 
 CATEGORIES = ("rejected", "count", "relation", "colour")
 BINDING_KINDS = ("swapped", "one_colour", "one_right", "other")
+RELATION_KINDS = ("prompted", "opposite", "neither")
+OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
 
 
 def prompt_set(name: str) -> list[str]:
@@ -92,6 +98,30 @@ def binding_breakdown(records: list[dict]) -> dict[str, float]:
     return {"images": len(rows), **{k: kinds[k] / len(rows) if rows else 0.0 for k in BINDING_KINDS}}
 
 
+def relation_kind(record: dict) -> str | None:
+    """For a position image with the right objects (passed, or failed only the relation): which of :data:`RELATION_KINDS` it shows; ``None`` for any other image."""
+    from types import SimpleNamespace
+
+    from diffalign.shapes.scenes import relation_holds
+    from diffalign.shapes.world import parse_prompt
+
+    if record["family"] != "position" or failure_category(record) not in (None, "relation"):
+        return None
+    spec = parse_prompt(record["prompt"])
+    found = {o["shape"]: SimpleNamespace(**o) for o in record["objects"]}  # the count check passed: one per shape
+    a, b = (found[o.shape] for o in spec.objects)
+    if relation_holds(a, b, spec.relation):
+        return "prompted"
+    return "opposite" if relation_holds(a, b, OPPOSITE[spec.relation]) else "neither"
+
+
+def relation_breakdown(records: list[dict]) -> dict[str, float]:
+    """Shares of the position images in each of :data:`RELATION_KINDS` (plus ``images``)."""
+    rows = [r for r in records if r["family"] == "position"]
+    kinds = Counter(relation_kind(r) for r in rows)
+    return {"images": len(rows), **{k: kinds[k] / len(rows) if rows else 0.0 for k in RELATION_KINDS}}
+
+
 def breakdown(records: list[dict]) -> dict[str, dict[str, float]]:
     """Per family: ``images``, ``passed`` (share) and the share of the family's images per category."""
     by_family: dict[str, list[dict]] = {}
@@ -135,7 +165,7 @@ def main(argv=None) -> int:
     print(f"{args.model}: {args.prompts} prompts, {len(prompts)} images, {args.steps} ODE steps, seed {args.seed}, "
           f"{'bf16 autocast' if dtype is not None else 'fp32'}; shares of each family's images")
     print(f"{'cfg':>5} {'family':<14}{'images':>7}{'passed':>8}" + "".join(f"{c:>10}" for c in CATEGORIES))
-    binding = {}
+    binding, relations = {}, {}
     for scale in scales:
         with maybe_autocast(dtype, adapter.device.type):
             images = sample_images(adapter, prompts, num_steps=args.steps, guidance_scale=scale,
@@ -147,11 +177,17 @@ def main(argv=None) -> int:
             print(f"{scale:>5.1f} {family:<14}{row['images']:>7}{row['passed']:>8.3f}"
                   + "".join(f"{row[c]:>10.3f}" for c in CATEGORIES), flush=True)
         binding[scale] = binding_breakdown(records)
+        relations[scale] = relation_breakdown(records)
     if any(row["images"] for row in binding.values()):
         print("\ncolour attribution, colour failures by what the two objects show (shares of its images)")
         print(f"{'cfg':>5} {'images':>7}" + "".join(f"{k:>11}" for k in BINDING_KINDS))
         for scale, row in binding.items():
             print(f"{scale:>5.1f} {row['images']:>7}" + "".join(f"{row[k]:>11.3f}" for k in BINDING_KINDS))
+    if any(row["images"] for row in relations.values()):
+        print("\nposition, images with the right objects: which relation holds (shares of its images)")
+        print(f"{'cfg':>5} {'images':>7}" + "".join(f"{k:>11}" for k in RELATION_KINDS))
+        for scale, row in relations.items():
+            print(f"{scale:>5.1f} {row['images']:>7}" + "".join(f"{row[k]:>11.3f}" for k in RELATION_KINDS))
     return 0
 
 

@@ -109,11 +109,31 @@ def test_shapes_failures_sorts_each_failed_image_once(repo_root, capsys):
     assert failures.binding_breakdown([shown("blue", "red"), shown("red", "red"), shown("red", "blue", passed=True),
                                        {"family": "colors", **record(True)}]) == {
         "images": 3, "swapped": pytest.approx(1 / 3), "one_colour": pytest.approx(1 / 3), "one_right": 0.0, "other": 0.0}
+    # position images with the right objects: which relation holds (pixel rows grow downwards)
+    prompt = "a photo of a circle left of a square"
+    met = {"count:circle": True, "count:square": True, "no_extra": True, "relation": False}
+
+    def placed(circle_xy, square_xy, passed=False):
+        box = {"width": 6.0, "height": 6.0}
+        return {"family": "position", "prompt": prompt, "passed": passed, "requirements": met,
+                "objects": [{"shape": "circle", "color": "red", "cx": circle_xy[0], "cy": circle_xy[1], **box},
+                            {"shape": "square", "color": "blue", "cx": square_xy[0], "cy": square_xy[1], **box}]}
+
+    assert failures.relation_kind(placed((6, 16), (26, 16), passed=True)) == "prompted"
+    assert failures.relation_kind(placed((26, 16), (6, 16))) == "opposite"
+    assert failures.relation_kind(placed((16, 4), (16, 28))) == "neither"  # circle above the square
+    assert failures.relation_kind({**placed((26, 16), (6, 16)), "requirements": {**met, "no_extra": False}}) is None
+    assert failures.relation_kind({**placed((26, 16), (6, 16)), "family": "two_object"}) is None
+    assert failures.relation_breakdown([placed((6, 16), (26, 16), passed=True), placed((26, 16), (6, 16)),
+                                        {"family": "position", **record(False)}, {"family": "colors", **record(True)}]) == {
+        "images": 3, "prompted": pytest.approx(1 / 3), "opposite": pytest.approx(1 / 3), "neither": 0.0}
     # a whole run on the tiny model: one row per family and scale, shares that sum to 1
     assert failures.main(["--model", "tiny:shapes", "--prompts", "validation", "--images-per-family", "2", "--steps", "2",
                           "--guidance-scales", "1,4", "--threads", "1"]) == 0
-    out = capsys.readouterr().out.split("\n\ncolour attribution")
+    out, relations = capsys.readouterr().out.split("\n\nposition, images")
+    out = out.split("\n\ncolour attribution")
     assert len(out) == 2 and len(out[1].strip().splitlines()) == 1 + 1 + 2  # title, header, one row per scale
+    assert len(relations.strip().splitlines()) == 1 + 1 + 2
     rows = [line.split() for line in out[0].splitlines()[2:]]
     assert len(rows) == 2 * 6 and {r[0] for r in rows} == {"1.0", "4.0"}
     for row in rows:
