@@ -270,6 +270,44 @@ def test_flux_packing_is_the_pipelines():
         assert torch.equal(FluxPipeline._unpack_latents(tokens, h * 8, w * 8, 8), unpack_latents(tokens, h, w))
 
 
+def test_flux_rotary_tables_are_computed_once_per_rollout_and_not_for_the_pipeline():
+    """predict reuses FLUX's rotary tables across steps (same velocity as recomputing them); the
+    stock pipeline on the same object still recomputes them; deep copies keep working."""
+    import copy
+
+    a = load_adapter("tiny:flux")
+    pos_embed = a.pipeline.transformer.pos_embed
+    calls = []
+    compute = type(pos_embed).forward
+    x = torch.randn(2, *a.latent_shape(PX, PX), generator=torch.Generator().manual_seed(0))
+    e = a.encode_prompts(PROMPTS, with_uncond=False)
+    with torch.no_grad():
+        first = [a.predict(x, torch.full((2,), s), e) for s in (1.0, 0.5)]
+        cache = pos_embed._rotary_cache
+        assert cache.hits == 1  # the second step's tables came from the first
+        for s, ours in zip((1.0, 0.5), first):
+            cache._ids = None  # forget: recompute the tables
+            assert torch.equal(a.predict(x, torch.full((2,), s), e), ours)
+        assert cache.hits == 1
+        pos_embed.forward.__self__.compute = lambda ids: (calls.append(1), compute(pos_embed, ids))[1]
+        a.pipeline(prompt=PROMPTS, height=PX, width=PX, num_inference_steps=2, output_type="latent",
+                   max_sequence_length=a.max_sequence_length)
+        assert len(calls) == 2 and cache.hits == 1  # the pipeline's own loop: one computation per step
+        twin = copy.deepcopy(a.pipeline.transformer)
+        out = twin(hidden_states=torch.randn(1, 16, 16), timestep=torch.ones(1), guidance=torch.ones(1),
+                   pooled_projections=e.cond["pooled_projections"][:1], encoder_hidden_states=e.cond["encoder_hidden_states"][:1],
+                   txt_ids=torch.zeros(e.cond["encoder_hidden_states"].shape[1], 3), img_ids=torch.zeros(16, 3), return_dict=False)[0]
+        assert out.shape == (1, 16, 16)
+    with pytest.raises(AssertionError):
+        assert _rotary_cache_of(torch.nn.Linear(2, 2)) is not None
+
+
+def _rotary_cache_of(module):
+    from diffalign.adapters._util import rotary_cache
+
+    return rotary_cache(module)
+
+
 # ---- load_adapter resolution and errors --------------------------------------------------
 def test_default_alias_resolves_lazily_through_the_shapes_family(monkeypatch, tmp_path):
     calls = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
@@ -171,3 +172,58 @@ def gives_integer_timesteps(scheduler) -> bool:
     probe = type(scheduler).from_config(scheduler.config)  # fresh: no shared step state
     probe.set_timesteps(2, device="cpu")
     return not probe.timesteps.is_floating_point()
+
+
+
+class RotaryCache:
+    """Reuse a parameter-free position-embedding module's output while its ids do not change.
+
+    A DiT recomputes its rotary embeddings from the token position ids on every forward (FLUX.1's
+    ``transformer.pos_embed``: float64 ``cos`` / ``sin`` tables per axis), although the ids of a
+    rollout are the same at every step. Installed on such a module (:func:`rotary_cache`), this
+    keeps the last ``ids`` and the tuple they produced, and returns that tuple again for equal
+    ids (same shape, dtype, device and values) while :meth:`active` is entered; outside it the
+    module computes as before, so the stock pipeline ``__call__`` on the same object is
+    untouched. The tables depend on no parameter and nothing writes to them, so sharing them
+    between forwards (and with an update's backward) is safe.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.compute = module.forward  # the module's own forward, bound
+        self.enabled = False
+        self.hits = 0  # forwards served from the cache
+        self._ids: Optional[torch.Tensor] = None
+        self._out = None
+        module.forward = self._forward  # an instance attribute: nn.Module.__call__ calls it
+
+    def _forward(self, ids: torch.Tensor):
+        if not self.enabled:
+            return self.compute(ids)
+        last = self._ids
+        if last is not None and last.shape == ids.shape and last.dtype == ids.dtype and last.device == ids.device \
+                and torch.equal(last, ids):
+            self.hits += 1
+            return self._out
+        out = self.compute(ids)
+        self._ids, self._out = ids.detach().clone(), out
+        return out
+
+    @contextmanager
+    def active(self):
+        previous, self.enabled = self.enabled, True
+        try:
+            yield self
+        finally:
+            self.enabled = previous
+
+
+def rotary_cache(module: Optional[torch.nn.Module]) -> Optional[RotaryCache]:
+    """The :class:`RotaryCache` of ``module``, installed on first use; ``None`` when there is no
+    module or it has parameters or buffers (its output could then change without its ids)."""
+    if module is None or any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        return None
+    cache = module.__dict__.get("_rotary_cache")
+    if cache is None:
+        cache = RotaryCache(module)
+        module.__dict__["_rotary_cache"] = cache
+    return cache

@@ -15,12 +15,13 @@ input in both halves. For FLUX.1-dev leave ``guidance_scale`` at 1 and set ``gui
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ._util import module_dtype, pipeline_sigmas, scheduler_sigmas, shift_mu
+from ._util import module_dtype, pipeline_sigmas, rotary_cache, scheduler_sigmas, shift_mu
 from .base import ModelAdapter, PromptEmbeds
 from .sd3 import FLOW_GRPO_LORA_TARGETS
 
@@ -159,20 +160,23 @@ class FluxAdapter(PackedFlowAdapter):
         transformer = self.pipeline.transformer
         dtype = module_dtype(transformer)
         _, _, h, w = x.shape
+        # the rotary tables depend only on the token ids, the same at every step: computed once
+        rope = rotary_cache(getattr(transformer, "pos_embed", None))
 
         def forward(xb, tb, kw):
             text = kw["encoder_hidden_states"].to(dtype)
             img_ids, txt_ids, guidance = self._constant_inputs(xb.shape[0], h, w, text.shape[1], xb.device, dtype)
-            out = transformer(
-                hidden_states=pack_latents(xb.to(dtype)),
-                timestep=tb.to(dtype),  # sigma: the pipeline passes timesteps / 1000
-                guidance=guidance,
-                pooled_projections=kw["pooled_projections"].to(dtype),
-                encoder_hidden_states=text,
-                txt_ids=txt_ids,
-                img_ids=img_ids,
-                return_dict=False,
-            )[0]
+            with rope.active() if rope is not None else nullcontext():
+                out = transformer(
+                    hidden_states=pack_latents(xb.to(dtype)),
+                    timestep=tb.to(dtype),  # sigma: the pipeline passes timesteps / 1000
+                    guidance=guidance,
+                    pooled_projections=kw["pooled_projections"].to(dtype),
+                    encoder_hidden_states=text,
+                    txt_ids=txt_ids,
+                    img_ids=img_ids,
+                    return_dict=False,
+                )[0]
             return unpack_latents(out, h, w)
 
         return self._guided(forward, x, t, embeds, guidance_scale)
