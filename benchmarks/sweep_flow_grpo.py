@@ -59,6 +59,9 @@ VARIANTS: dict[str, list[str]] = {
     "full_lr1e-4_passfail": [*FULL, "optim.lr=1e-4", "reward.kwargs.partial_credit=false"],
     "full_lr1e-4_passfail_hard4": [*FULL, "optim.lr=1e-4", "reward.kwargs.partial_credit=false",
                                    "prompts.family_weights={position: 4, color_attr: 4}"],
+    # more exploration where layouts are drawn (noise level 1.0 instead of 0.7), weak families x4
+    "full_lr1e-4_noise1_hard4": [*FULL, "optim.lr=1e-4", "sampling.noise_level=1.0",
+                                 "prompts.family_weights={position: 4, color_attr: 4}"],
 }
 METRICS = ("eval/acc/images", "eval/reward_mean", "eval/acc/overall")  # pass rate, partial credit, family mean
 
