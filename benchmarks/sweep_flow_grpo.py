@@ -63,7 +63,7 @@ VARIANTS: dict[str, list[str]] = {
     "full_lr1e-4_noise1_hard4": [*FULL, "optim.lr=1e-4", "sampling.noise_level=1.0",
                                  "prompts.family_weights={position: 4, color_attr: 4}"],
 }
-METRICS = ("eval/acc/images", "eval/reward_mean", "eval/acc/overall")  # pass rate, partial credit, family mean
+METRICS = ("eval/acc/images", "eval/partial", "eval/acc/overall")  # pass rate, partial credit, family mean
 
 
 def run_variant(config: str, name: str, overrides: list[str], out: Path, iterations: int, extra: list[str]) -> dict:
@@ -100,16 +100,30 @@ def paired_differences(run_dir: Path) -> dict[str, list[float]]:
     return {k: [diffs[k].value, diffs[k].lo, diffs[k].hi] for k in ("acc/images", "partial", "acc/overall") if k in diffs}
 
 
+def backfill_partial(result: dict, run_dir: Path) -> None:
+    """Fill ``eval/partial`` of a stored piece's first and last evaluation from the run's metrics
+    (or, for a run trained on partial credit, from its evaluation reward, which is the same number)."""
+    metrics = run_dir / "metrics.jsonl"
+    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("eval")] if metrics.is_file() else []
+    for key, record in (("before", evals[0] if evals else None), ("after", evals[-1] if evals else None)):
+        if record is not None and "eval/partial" in record:
+            result[key]["eval/partial"] = record["eval/partial"]
+        elif "reward.kwargs.partial_credit=false" not in result["overrides"]:
+            result[key]["eval/partial"] = result[key]["eval/reward_mean"]
+        else:
+            raise SystemExit(f"{run_dir}: no partial credit recorded for a pass/fail run")
+
+
 def format_rows(results: list[dict]) -> str:
     rows = sorted(results, key=lambda r: (r["after"][METRICS[0]], r["after"][METRICS[1]]), reverse=True)
-    lines = [f"{'variant':18}{'pass rate':>22}{'partial credit':>22}{'family mean':>22}{'train reward':>16}{'min':>6}"
+    lines = [f"{'variant':30}{'pass rate':>22}{'partial credit':>22}{'family mean':>22}{'train reward':>16}{'min':>6}"
              f"   paired pass-rate difference [95 % interval]"]
     for r in rows:
         cells = "".join(f"{r['before'][k]:>10.3f} -> {r['after'][k]:.3f}" for k in METRICS)
         paired = r.get("paired", {}).get("acc/images")
         diff = (f"   {paired[0]:+.3f} [{paired[1]:+.3f}, {paired[2]:+.3f}]{' *' if paired[1] > 0 or paired[2] < 0 else ''}"
                 if paired else "")
-        lines.append(f"{r['name']:18}{cells}{r['train_reward_first']:>8.3f}->{r['train_reward_last']:.3f}{r['seconds'] / 60:>6.1f}{diff}")
+        lines.append(f"{r['name']:30}{cells}{r['train_reward_first']:>8.3f}->{r['train_reward_last']:.3f}{r['seconds'] / 60:>6.1f}{diff}")
     return "\n".join(lines)
 
 
@@ -139,6 +153,8 @@ def main(argv=None) -> int:
         result = json.loads(piece.read_text())
         if "paired" not in result:  # a piece written before the paired differences were recorded
             result["paired"] = paired_differences(out / "runs" / name)
+        if "eval/partial" not in result["before"]:  # written when the table read partial credit off the
+            backfill_partial(result, out / "runs" / name)  # evaluation reward (right for partial-credit runs only)
         results.append(result)
     print(f"\nvalidation prompts (training split), {args.iterations} iterations per variant; before -> after")
     print(format_rows(results))
