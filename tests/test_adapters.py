@@ -81,6 +81,23 @@ def test_cfg_is_one_batched_forward_of_the_formula(any_adapter):
         # guidance_scale 1 ignores uncond even when it is present.
         torch.testing.assert_close(a.predict(x, t, e, guidance_scale=1.0), cond, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(guided, uncond + g * (cond - uncond), rtol=1e-4, atol=1e-4)
+    # the [uncond; cond] text batch is built on the first guided forward and reused by the next
+    batch = e.guidance_batch()
+    with torch.no_grad():
+        assert torch.equal(a.predict(x, t, e, guidance_scale=g), guided)
+    assert e.guidance_batch() is batch
+    for k in e.cond:
+        assert torch.equal(batch[k], torch.cat([e.uncond[k], e.cond[k]]))
+
+
+def test_guidance_batch_is_not_kept_for_tensors_with_gradients():
+    cond = torch.randn(2, 3, requires_grad=True)
+    e = PromptEmbeds({"encoder_hidden_states": cond}, {"encoder_hidden_states": torch.zeros(2, 3)})
+    first = e.guidance_batch()
+    assert first["encoder_hidden_states"].requires_grad and e.guidance_batch() is not first
+    frozen = PromptEmbeds({"encoder_hidden_states": cond.detach()}, {"encoder_hidden_states": torch.zeros(2, 3)})
+    assert frozen.guidance_batch() is frozen.guidance_batch()
+    assert frozen.select([1]).guidance_batch()["encoder_hidden_states"].shape == (2, 3)  # a new object: its own batch
 
 
 def test_per_sample_times(any_adapter):

@@ -55,8 +55,7 @@ def guided_forward(
                 uncond = forward(x, t, embeds.uncond).float()
             cond = forward(x, t, embeds.cond).float()
         else:
-            kwargs = {k: torch.cat([embeds.uncond[k], embeds.cond[k]]) for k in embeds.cond}
-            out = forward(torch.cat([x, x]), torch.cat([t, t]), kwargs).float()
+            out = forward(torch.cat([x, x]), torch.cat([t, t]), embeds.guidance_batch()).float()
             uncond, cond = out.chunk(2)
         if combine is not None:
             return combine(uncond, cond, guidance_scale)

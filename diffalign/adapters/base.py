@@ -53,6 +53,21 @@ class PromptEmbeds:
     def __len__(self) -> int:
         return next(iter(self.cond.values())).shape[0]
 
+    def guidance_batch(self) -> dict[str, torch.Tensor]:
+        """``[uncond; cond]`` per key (2B rows): the text inputs of a batched CFG forward.
+
+        Concatenated on the first call and kept, as a pipeline concatenates its prompt embeddings
+        once per call rather than once per step; a rollout or an update then reuses them at every
+        step (for SD3's T5 states that is one copy of the largest inputs saved per forward). Not
+        kept when a tensor requires grad. The dicts are not to be changed in place once used.
+        """
+        batch = self.__dict__.get("_guidance_batch")
+        if batch is None:
+            batch = {k: torch.cat([self.uncond[k], self.cond[k]]) for k in self.cond}
+            if not any(v.requires_grad for v in batch.values()):
+                self.__dict__["_guidance_batch"] = batch
+        return batch
+
     def _map(self, fn) -> "PromptEmbeds":
         return PromptEmbeds(
             {k: fn(v) for k, v in self.cond.items()},
