@@ -173,7 +173,6 @@ def gives_integer_timesteps(scheduler) -> bool:
     return not probe.timesteps.is_floating_point()
 
 
-
 class RotaryCache:
     """Reuse a parameter-free position-embedding module's output while its ids do not change.
 
