@@ -20,10 +20,10 @@ A second table splits the colour failures of colour attribution ("a red circle a
 square") by what the two objects show (:data:`BINDING_KINDS`): ``swapped`` (each in the other's
 colour), ``one_colour`` (both in the same one of the two named colours: the prompt's colours
 treated as one property of the whole image), ``one_right`` (one object right, the other in an
-unnamed colour) and ``other``. A third table asks whether the model reads the relation word:
-of the position images with the right objects, the share where the prompted
-relation holds (they pass), where the opposite one holds instead ("left of" for "right of", "above"
-for "below") and where neither does. A model that ignores the relation passes about as often as it
+unnamed colour) and ``other``. A third table asks whether the model reads the relation word: of
+the position images with the right objects, the share where the prompted relation holds (they
+pass), where the opposite one holds instead ("left of" for "right of", "above" for "below") and
+where neither does. A model that ignores the relation passes about as often as it
 draws the opposite.
 A diagnostic, not a headline: no intervals (``diffalign eval`` gives those).
 """
@@ -99,7 +99,8 @@ def binding_breakdown(records: list[dict]) -> dict[str, float]:
 
 
 def relation_kind(record: dict) -> str | None:
-    """For a position image with the right objects (passed, or failed only the relation): which of :data:`RELATION_KINDS` it shows; ``None`` for any other image."""
+    """Which of :data:`RELATION_KINDS` a position image with the right objects (passed, or failed
+    only the relation) shows; ``None`` for any other image."""
     from types import SimpleNamespace
 
     from diffalign.shapes.scenes import relation_holds
