@@ -72,6 +72,11 @@ def parse_args(argv=None):
                         "the UNet through cross-attention only)")
     p.add_argument("--cross-attention-levels", type=int, default=DEFAULT_ARCHITECTURE["cross_attention_levels"],
                    help="architecture: cross-attention at the lowest N resolution levels (1: 8x8 only; 2: also 16x16)")
+    p.add_argument("--coordinate-channels", action="store_true",
+                   help="architecture: two extra UNet input channels with each pixel's x and y (CoordConv)")
+    p.add_argument("--init-from", default=None,
+                   help="start from this saved model (a --out folder) instead of random weights; a plain UNet "
+                        "widens into a --coordinate-channels one with its new input weights at zero")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--state-dir", default=None,
@@ -184,16 +189,17 @@ def format_table(rows: dict[str, dict]) -> str:
 # ---- architecture ---------------------------------------------------------------------------
 # The shipped model's architecture (the flags' defaults): cross-attention at 16x16 and 8x8 binds
 # colours to objects, which cross-attention at 8x8 alone did not learn (docs/shapes_world.md).
-DEFAULT_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 2}
+DEFAULT_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 2, "coordinate_channels": False}
 # What a state without an "architecture" record was trained with: every state saved before the
 # flags existed (the earlier shipped model, cross-attention at 8x8 only), whatever the defaults become.
-UNRECORDED_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 1}
+UNRECORDED_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 1, "coordinate_channels": False}
 
 
 def architecture(args) -> dict:
     """The :class:`ShapesModelConfig` fields the architecture flags set (recorded in the state)."""
     return {"text_time_embedding": not args.no_text_time_embedding,
-            "cross_attention_levels": args.cross_attention_levels}
+            "cross_attention_levels": args.cross_attention_levels,
+            "coordinate_channels": args.coordinate_channels}
 
 
 # ---- schedule and training state ------------------------------------------------------------
@@ -267,6 +273,25 @@ def load_state(state_dir: Path, params, ema, opt, sched, rng, arch: dict = DEFAU
     return info
 
 
+def init_weights(pipe, folder: str) -> None:
+    """Load the UNet and text encoder of the saved model in ``folder`` into ``pipe`` (same
+    widths; a plain UNet into a coordinate one via :func:`widen_for_coordinates`)."""
+    from diffalign.shapes.model import uses_coordinates, widen_for_coordinates
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    if not (Path(folder) / "model_index.json").is_file():
+        raise SystemExit(f"--init-from: no saved model in {folder!r} (model_index.json missing)")
+    source = ShapesPipeline.from_pretrained(folder)
+    try:
+        if uses_coordinates(pipe.unet) and not uses_coordinates(source.unet):
+            widen_for_coordinates(pipe.unet, source.unet.float())
+        else:
+            pipe.unet.load_state_dict(source.unet.float().state_dict())
+        pipe.text_encoder.load_state_dict(source.text_encoder.float().state_dict())
+    except RuntimeError as err:  # shape mismatch: another architecture
+        raise SystemExit(f"--init-from: {folder!r} does not fit the architecture flags ({str(err).splitlines()[0]})") from None
+
+
 # ---- saving ---------------------------------------------------------------------------------
 def save(pipe, unet_weights, out: str) -> None:
     """save_pretrained with the UNet stored in fp16 (halves the shipped size; diffusers loads it
@@ -314,6 +339,9 @@ def main(argv=None) -> None:
           f"{len(train_prompts)} train / {len(heldout_prompts)} held-out prompts, "
           f"batch {args.batch_size}, {args.steps} steps, lr {args.lr}", flush=True)
 
+    if args.init_from and not args.resume:
+        init_weights(pipe, args.init_from)
+        print(f"initialised from {args.init_from}", flush=True)
     params = list(unet.parameters()) + list(text_encoder.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))

@@ -54,6 +54,9 @@ class ShapesModelConfig:
     sample_size: int = 32  # pixels
     shift: float = 2.0  # scheduler shift: more of the few sampling steps at high noise, where
     # layout and colour are decided at 32 px (1.0 = uniform sigmas)
+    coordinate_channels: bool = False  # two extra UNet input channels holding each pixel's x and y
+    # in [-1, 1] (CoordConv), appended by the pipeline's hook: a conv UNet otherwise knows where a
+    # pixel is only from the zero padding at the borders, which "left of" and "above" need
 
 
 TINY_CONFIG = ShapesModelConfig(
@@ -112,6 +115,55 @@ def build_tokenizer(words: Sequence[str], max_length: int = 16):
 
 
 # ---- networks -------------------------------------------------------------------------------
+COORDINATE_CHANNELS = 2  # x, y
+
+
+def coordinate_planes(batch: int, height: int, width: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``(batch, 2, height, width)``: channel 0 is the pixel's column, channel 1 its row, each
+    mapped linearly to ``[-1, 1]`` (left / top edge -1)."""
+    ys = torch.linspace(-1.0, 1.0, height, device=device, dtype=torch.float32)
+    xs = torch.linspace(-1.0, 1.0, width, device=device, dtype=torch.float32)
+    planes = torch.stack([xs.expand(height, width), ys[:, None].expand(height, width)])
+    return planes.to(dtype).expand(batch, -1, -1, -1)
+
+
+def uses_coordinates(unet) -> bool:
+    """Whether ``unet`` takes the coordinate planes beside the image (``in_channels = out + 2``)."""
+    return int(unet.config.in_channels) == int(unet.config.out_channels) + COORDINATE_CHANNELS
+
+
+def _append_coordinates(module, args, kwargs):
+    """Forward pre-hook of a coordinate UNet: ``sample`` (B, 3, H, W) -> (B, 5, H, W)."""
+    if args:
+        sample, rest = args[0], args[1:]
+    else:
+        sample, rest = kwargs.pop("sample"), ()
+    if sample.shape[1] == module.config.out_channels:
+        b, _, h, w = sample.shape
+        sample = torch.cat([sample, coordinate_planes(b, h, w, device=sample.device, dtype=sample.dtype)], dim=1)
+    return (sample, *rest), kwargs
+
+
+def attach_coordinates(unet) -> None:
+    """Make a coordinate UNet (see :func:`uses_coordinates`) append the coordinate planes to its
+    input itself, so every caller (pipeline, adapter, trainers, peft-wrapped copies) passes the
+    3-channel image as for any other UNet. Idempotent; a no-op for a plain UNet."""
+    if uses_coordinates(unet) and not getattr(unet, "_diffalign_coordinates", False):
+        unet.register_forward_pre_hook(_append_coordinates, with_kwargs=True)
+        unet._diffalign_coordinates = True
+
+
+def widen_for_coordinates(unet, source) -> None:
+    """Copy a plain UNet's weights (``source``) into the coordinate UNet ``unet`` of the same
+    widths; the input convolution's two new channels start at zero, so ``unet`` computes exactly
+    what ``source`` does until training moves them."""
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    weight = state["conv_in.weight"]
+    pad = torch.zeros(weight.shape[0], COORDINATE_CHANNELS, *weight.shape[2:], dtype=weight.dtype)
+    state["conv_in.weight"] = torch.cat([weight, pad], dim=1)
+    unet.load_state_dict(state)
+
+
 def build_text_encoder(vocab_size: int, config: ShapesModelConfig = ShapesModelConfig()):
     from transformers import CLIPTextConfig, CLIPTextModel
 
@@ -135,7 +187,8 @@ def build_unet(config: ShapesModelConfig = ShapesModelConfig()):
     down = ("DownBlock2D",) * (n - k) + ("CrossAttnDownBlock2D",) * k
     up = ("CrossAttnUpBlock2D",) * k + ("UpBlock2D",) * (n - k)
     return UNet2DConditionModel(
-        sample_size=config.sample_size, in_channels=3, out_channels=3,
+        sample_size=config.sample_size, in_channels=3 + (COORDINATE_CHANNELS if config.coordinate_channels else 0),
+        out_channels=3,
         down_block_types=down, up_block_types=up, block_out_channels=config.block_out_channels,
         layers_per_block=config.layers_per_block, norm_num_groups=config.norm_num_groups,
         cross_attention_dim=config.text_width,

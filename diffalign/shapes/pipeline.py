@@ -39,6 +39,10 @@ class ShapesPipeline(DiffusionPipeline, StableDiffusionLoraLoaderMixin):
     def __init__(self, text_encoder, tokenizer, unet: UNet2DConditionModel, scheduler: FlowMatchEulerDiscreteScheduler):
         super().__init__()
         self.register_modules(text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler)
+        if unet is not None:
+            from diffalign.shapes.model import attach_coordinates
+
+            attach_coordinates(unet)  # a UNet with coordinate input channels appends them itself
 
     @property
     def sample_size(self) -> int:
