@@ -202,6 +202,12 @@ def architecture(args) -> dict:
             "coordinate_channels": args.coordinate_channels}
 
 
+def recorded_architecture(info: dict) -> dict:
+    """The architecture a saved state (its ``state.json``) was trained with: the record, with the
+    flags that did not exist when it was saved at the values that state was trained with."""
+    return {**UNRECORDED_ARCHITECTURE, **info.get("architecture", {})}
+
+
 # ---- schedule and training state ------------------------------------------------------------
 def lr_factor(step: int, args) -> float:
     """Linear warmup, constant, then (``--decay-steps``) a linear decay to ``--final-lr-fraction``."""
@@ -226,7 +232,9 @@ def save_state(state_dir: Path, params, ema, opt, sched, rng, meta: dict) -> Non
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    adam = [opt.state[p] for p in params]
+    # before the first step Adam has no state yet: its lazy initial one (zero moments, step 0)
+    adam = [opt.state.get(p) or {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)} for p in params]
     groups = {"params": [p.detach() for p in params], "ema": ema or [],
               "exp_avg": [a["exp_avg"] for a in adam], "exp_avg_sq": [a["exp_avg_sq"] for a in adam]}
     for name, tensors in groups.items():
@@ -251,7 +259,7 @@ def load_state(state_dir: Path, params, ema, opt, sched, rng, arch: dict = DEFAU
     if not (state_dir / "state.json").is_file():
         raise SystemExit(f"--resume: no training state in {str(state_dir)!r} (state.json missing)")
     info = json.loads((state_dir / "state.json").read_text())
-    saved_arch = {**UNRECORDED_ARCHITECTURE, **info.get("architecture", {})}
+    saved_arch = recorded_architecture(info)
     if saved_arch != arch:
         raise SystemExit(f"--resume: {str(state_dir)!r} was trained with architecture {saved_arch}, "
                          f"the arguments give {arch}; pass the same architecture flags")

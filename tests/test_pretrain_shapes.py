@@ -53,7 +53,7 @@ def test_resume_without_state_is_a_clear_error(pretrain, tmp_path):
 def test_architecture_flags_build_save_and_guard_the_resume(pretrain, tmp_path):
     state = _run(pretrain, tmp_path, "arch", 2, "--until", "1", "--no-text-time-embedding", "--cross-attention-levels", "2")
     assert json.loads((state / "state.json").read_text())["architecture"] == {
-        "text_time_embedding": False, "cross_attention_levels": 2}
+        "text_time_embedding": False, "cross_attention_levels": 2, "coordinate_channels": False}
     with pytest.raises(SystemExit, match="was trained with architecture"):
         _run(pretrain, tmp_path, "arch", 2, "--resume")  # the default flags: another architecture
     _run(pretrain, tmp_path, "arch", 2, "--resume", "--no-text-time-embedding", "--cross-attention-levels", "2")
@@ -108,7 +108,7 @@ def test_committed_state_is_complete_and_is_the_shipped_model(pretrain, repo_roo
     state = repo_root / "scripts" / "pretrain_state" / "shapes-t2i-xattn16-pooled"
     info = json.loads((state / "state.json").read_text())
     assert info["step"] == pretrain.parse_args([]).steps
-    assert info["architecture"] == pretrain.architecture(pretrain.parse_args([])) == pretrain.DEFAULT_ARCHITECTURE
+    assert pretrain.recorded_architecture(info) == pretrain.architecture(pretrain.parse_args([])) == pretrain.DEFAULT_ARCHITECTURE
     for name in (*pretrain.STATE_GROUPS, "rng"):
         f = state / f"{name}.safetensors"
         assert f.is_file() and f.stat().st_size < 20 * 2**20, f
@@ -145,3 +145,25 @@ def test_family_weights_set_the_share_of_each_family(pretrain):
         pretrain.PromptSampler(train, np.random.default_rng(0), {"colour": 2})
     with pytest.raises(SystemExit, match=">= 0"):
         pretrain.PromptSampler(train, np.random.default_rng(0), {"color_attr": -1})
+
+
+def test_init_from_widens_a_saved_model_into_coordinate_channels(pretrain, tmp_path):
+    """--coordinate-channels --init-from a plain model: the new model starts as the saved one (its
+    two new input channels at zero) and records the architecture it resumes with."""
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    _run(pretrain, tmp_path, "plain", 1)
+    plain_dir = str(tmp_path / "plain" / "model")
+    state = _run(pretrain, tmp_path, "coord", 0, "--coordinate-channels", "--init-from", plain_dir)
+    assert json.loads((state / "state.json").read_text())["architecture"]["coordinate_channels"] is True
+    plain, coord = ShapesPipeline.from_pretrained(plain_dir), ShapesPipeline.from_pretrained(str(tmp_path / "coord" / "model"))
+    assert coord.unet.config.in_channels == 5
+    assert not coord.unet.conv_in.weight[:, 3:].any()
+    x, t = torch.randn(2, 3, 32, 32), torch.tensor([600.0, 50.0])
+    with torch.no_grad():
+        context = plain.encode_prompt(["a red circle", ""])
+        torch.testing.assert_close(coord.encode_prompt(["a red circle", ""]), context)
+        torch.testing.assert_close(coord.unet(x, t, encoder_hidden_states=context).sample,
+                                   plain.unet(x, t, encoder_hidden_states=context).sample, atol=1e-3, rtol=1e-3)
+    with pytest.raises(SystemExit, match="--init-from"):
+        _run(pretrain, tmp_path, "missing", 1, "--init-from", str(tmp_path / "nowhere"))

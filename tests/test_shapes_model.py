@@ -146,6 +146,67 @@ def test_default_lora_targets_exist_in_unet(tiny):
         assert any(n == target or n.endswith("." + target) for n in names), target
 
 
+# ---- coordinate channels ----------------------------------------------------------------------
+def test_coordinate_planes_give_each_pixel_its_column_and_row():
+    from diffalign.shapes.model import coordinate_planes
+
+    planes = coordinate_planes(2, 3, 5)
+    assert planes.shape == (2, 2, 3, 5)
+    torch.testing.assert_close(planes[0, 0, 1], torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0]))  # x: left to right
+    torch.testing.assert_close(planes[1, 1, :, 4], torch.tensor([-1.0, 0.0, 1.0]))  # y: top to bottom
+
+
+def test_coordinate_unet_widened_from_a_plain_one_computes_the_same_and_round_trips(tmp_path):
+    import dataclasses
+
+    from diffalign.shapes.model import uses_coordinates, widen_for_coordinates
+
+    plain = build_pipeline(config=TINY_CONFIG, seed=0)
+    coord = build_pipeline(config=dataclasses.replace(TINY_CONFIG, coordinate_channels=True), seed=1)
+    assert not uses_coordinates(plain.unet) and uses_coordinates(coord.unet)
+    assert coord.unet.config.in_channels == 5 and coord.unet.config.out_channels == 3
+    widen_for_coordinates(coord.unet, plain.unet)
+    coord.text_encoder.load_state_dict(plain.text_encoder.state_dict())
+    x, t = torch.randn(2, 3, 32, 32), torch.tensor([700.0, 200.0])
+    context = plain.encode_prompt(PROMPTS[:2])
+    with torch.no_grad():
+        ref = plain.unet(x, t, encoder_hidden_states=context).sample
+        out = coord.unet(x, t, encoder_hidden_states=context).sample  # 3 channels in: the planes are appended
+        out_kw = coord.unet(sample=x, timestep=t, encoder_hidden_states=context).sample
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out, out_kw)
+
+    with torch.no_grad():  # the new input weights now matter: the output depends on where a pixel is
+        coord.unet.conv_in.weight[:, 3:] = 0.1
+        moved = coord.unet(x, t, encoder_hidden_states=context).sample
+    assert not torch.allclose(moved, ref, atol=1e-3)
+    coord.save_pretrained(tmp_path)  # a plain diffusers UNet with 5 input channels ...
+    assert json.loads((tmp_path / "unet" / "config.json").read_text())["in_channels"] == 5
+    loaded = ShapesPipeline.from_pretrained(tmp_path)  # ... whose pipeline appends the planes again
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.unet(x, t, encoder_hidden_states=context).sample, moved)
+    adapter = ShapesAdapter(loaded)
+    embeds = adapter.encode_prompts(PROMPTS[:2], with_uncond=False)
+    with torch.no_grad():
+        torch.testing.assert_close(adapter.predict(x, t / 1000.0, embeds), moved)
+
+
+def test_coordinate_unet_trains_with_lora():
+    import dataclasses
+
+    from peft import LoraConfig
+
+    pipe = build_pipeline(config=dataclasses.replace(TINY_CONFIG, coordinate_channels=True), seed=0)
+    unet = pipe.unet
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    x, t = torch.randn(2, 3, 32, 32), torch.tensor([500.0, 100.0])
+    loss = unet(x, t, encoder_hidden_states=pipe.encode_prompt(PROMPTS[:2])).sample.square().mean()
+    loss.backward()
+    grads = [p.grad for n, p in unet.named_parameters() if "lora" in n]
+    assert grads and all(g is not None for g in grads)
+
+
 # ---- shipped model ----------------------------------------------------------------------------
 @needs_shipped
 def test_shipped_model_is_small_and_loads(shipped):
