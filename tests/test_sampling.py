@@ -83,6 +83,35 @@ def test_on_policy_ratio_is_one(family, kernel, noise):
     assert torch.equal(ratio, torch.ones_like(ratio))
 
 
+@pytest.mark.parametrize("family, guidance", [("sd3", 4.0), ("flux", 1.0), ("shapes", 4.0)])
+def test_an_update_can_train_on_a_rollout(family, guidance):
+    """The rollout runs in inference mode; what it returns, and what it left in the caches it
+    shares with an update (the CFG text batch, FLUX's rotary tables and constant inputs), must
+    still go through an update's forward and backward."""
+    adapter = load_adapter(f"tiny:{family}")
+    k = build_kernel(adapter, "flow_grpo", 0.7)
+    embeds = adapter.encode_prompts(PROMPTS, with_uncond=guidance > 1)
+    schedule = adapter.make_schedule(2, PX, PX)
+    traj = sample_linear(adapter, k, embeds, schedule, torch.ones(2, dtype=torch.bool), guidance_scale=guidance,
+                         height=PX, width=PX, generator=torch.Generator().manual_seed(0))
+    for tensor in (traj.latents, traj.log_probs, traj.images):
+        assert not tensor.is_inference()
+    weights = [p for p in adapter.denoiser.parameters() if p.is_floating_point()]
+    for p in weights:
+        p.requires_grad_(True)
+    try:
+        t = schedule[0].expand(2)
+        v = adapter.predict(traj.latents[:, 0], t, embeds, guidance)
+        logp = k.step(v, traj.latents[:, 0], t, schedule[1].expand(2), prev_sample=traj.latents[:, 1]).log_prob
+        torch.testing.assert_close(logp, traj.log_probs[:, 0], rtol=0, atol=0)  # still on-policy
+        logp.sum().backward()
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in weights)
+    finally:
+        for p in weights:
+            p.requires_grad_(False)
+            p.grad = None
+
+
 def test_same_seed_same_trajectory_and_cat(sd3):
     k = build_kernel(sd3, "flow_grpo", 0.7)
     e = sd3.encode_prompts(PROMPTS, with_uncond=True)

@@ -192,18 +192,22 @@ class RotaryCache:
         self.hits = 0  # forwards served from the cache
         self._ids: Optional[torch.Tensor] = None
         self._out = None
+        self._inference = False  # whether _out was computed in inference mode
         module.forward = self._forward  # an instance attribute: nn.Module.__call__ calls it
 
     def _forward(self, ids: torch.Tensor):
         if not self.enabled:
             return self.compute(ids)
         last = self._ids
-        if last is not None and last.shape == ids.shape and last.dtype == ids.dtype and last.device == ids.device \
-                and torch.equal(last, ids):
+        # tables made in inference mode (a rollout) cannot be saved for an update's backward
+        usable = torch.is_inference_mode_enabled() or not self._inference
+        if usable and last is not None and last.shape == ids.shape and last.dtype == ids.dtype \
+                and last.device == ids.device and torch.equal(last, ids):
             self.hits += 1
             return self._out
         out = self.compute(ids)
         self._ids, self._out = ids.detach().clone(), out
+        self._inference = torch.is_inference_mode_enabled()
         return out
 
     @contextmanager

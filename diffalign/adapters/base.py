@@ -59,13 +59,16 @@ class PromptEmbeds:
         Concatenated on the first call and kept, as a pipeline concatenates its prompt embeddings
         once per call rather than once per step; a rollout or an update then reuses them at every
         step (for SD3's T5 states that is one copy of the largest inputs saved per forward). Not
-        kept when a tensor requires grad. The dicts are not to be changed in place once used.
+        kept when a tensor requires grad. Kept apart for inference mode (a rollout) and outside it
+        (an update): tensors made in inference mode cannot be saved for a backward. The dicts are
+        not to be changed in place once used.
         """
-        batch = self.__dict__.get("_guidance_batch")
+        key = "_guidance_batch_inference" if torch.is_inference_mode_enabled() else "_guidance_batch"
+        batch = self.__dict__.get(key)
         if batch is None:
             batch = {k: torch.cat([self.uncond[k], self.cond[k]]) for k in self.cond}
             if not any(v.requires_grad for v in batch.values()):
-                self.__dict__["_guidance_batch"] = batch
+                self.__dict__[key] = batch
         return batch
 
     def _map(self, fn) -> "PromptEmbeds":

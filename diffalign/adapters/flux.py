@@ -183,9 +183,10 @@ class FluxAdapter(PackedFlowAdapter):
 
     def _constant_inputs(self, n: int, h: int, w: int, text_len: int, device, dtype):
         """The transformer inputs that depend only on shapes (RoPE ids of image and text tokens,
-        the distilled guidance), built once per shape as the pipeline builds them once per call.
-        Read-only: the transformer never writes them."""
-        key = (n, h, w, text_len, str(device), dtype, float(self.guidance))
+        the distilled guidance), built once per shape as the pipeline builds them once per call,
+        apart for inference mode (a rollout's cannot be saved for a backward). Read-only: the
+        transformer never writes them."""
+        key = (n, h, w, text_len, str(device), dtype, float(self.guidance), torch.is_inference_mode_enabled())
         if key not in self._constants:
             guidance = None
             if self.pipeline.transformer.config.guidance_embeds:

@@ -202,23 +202,27 @@ def sample_linear(
     states = [x]
     num_steps = len(schedule) - 1
     log_probs = torch.zeros(batch, num_steps, dtype=torch.float32, device=adapter.device)
-    for i in range(num_steps):
-        t = schedule[i].expand(batch).to(adapter.device)
-        t_next = schedule[i + 1].expand(batch).to(adapter.device)
-        model_output = adapter.predict(x, t, embeds, guidance_scale)
-        eps = step_noise[:, i].to(adapter.device) if step_noise is not None else None
-        sde = bool(sde_mask[i])
-        out = kernel.step(model_output, x, t, t_next, sde=sde, generator=generator, noise=eps)
-        if on_step is not None:
-            on_step(LinearStep(i, x, t, model_output, out, sde))
-        if out.log_prob is not None:
-            log_probs[:, i] = out.log_prob
-        x = out.prev_sample.float()
-        if keep_latents or i == num_steps - 1:
-            states.append(x)
+    # Inference mode: no view or version tracking per op (a few % of a small model's step). What
+    # it makes cannot be saved for a backward, so what leaves here is rebuilt outside it (stack,
+    # clone); on_step's tensors are inference tensors (to read or stack, not to train through).
+    with torch.inference_mode():
+        for i in range(num_steps):
+            t = schedule[i].expand(batch).to(adapter.device)
+            t_next = schedule[i + 1].expand(batch).to(adapter.device)
+            model_output = adapter.predict(x, t, embeds, guidance_scale)
+            eps = step_noise[:, i].to(adapter.device) if step_noise is not None else None
+            sde = bool(sde_mask[i])
+            out = kernel.step(model_output, x, t, t_next, sde=sde, generator=generator, noise=eps)
+            if on_step is not None:
+                on_step(LinearStep(i, x, t, model_output, out, sde))
+            if out.log_prob is not None:
+                log_probs[:, i] = out.log_prob
+            x = out.prev_sample.float()
+            if keep_latents or i == num_steps - 1:
+                states.append(x)
+        images = adapter.decode(x).float().clamp(0, 1)
     latents = torch.stack(states, dim=1)
-    images = adapter.decode(x).float().clamp(0, 1)
-    return Trajectory(latents, log_probs, schedule.clone(), sde_mask.clone(), images)
+    return Trajectory(latents, log_probs, schedule.clone(), sde_mask.clone(), images.clone())
 
 
 @torch.no_grad()
