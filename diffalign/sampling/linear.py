@@ -170,6 +170,25 @@ def draw_noise(adapter: ModelAdapter, batch_size: int, height: int, width: int, 
     return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(adapter.device)
 
 
+def _sharded(module: torch.nn.Module) -> bool:
+    """Whether a sharding wrapper manages ``module``'s weights (torch FSDP2, DeepSpeed ZeRO): they
+    gather the full weights into buffers that the next forward reuses, so gathering them in
+    inference mode would leave inference tensors in an update's forward."""
+    if any(hasattr(p, "ds_id") for p in module.parameters()):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def sampling_mode(adapter: ModelAdapter):
+    """The grad mode a rollout runs in: ``torch.inference_mode()``, or ``torch.no_grad()`` when the
+    denoiser is sharded (see :func:`_sharded`)."""
+    return torch.no_grad() if _sharded(adapter.denoiser) else torch.inference_mode()
+
+
 @torch.no_grad()
 def sample_linear(
     adapter: ModelAdapter,
@@ -205,7 +224,7 @@ def sample_linear(
     # Inference mode: no view or version tracking per op (a few % of a small model's step). What
     # it makes cannot be saved for a backward, so what leaves here is rebuilt outside it (stack,
     # clone); on_step's tensors are inference tensors (to read or stack, not to train through).
-    with torch.inference_mode():
+    with sampling_mode(adapter):
         for i in range(num_steps):
             t = schedule[i].expand(batch).to(adapter.device)
             t_next = schedule[i + 1].expand(batch).to(adapter.device)
