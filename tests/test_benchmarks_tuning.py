@@ -142,6 +142,33 @@ def test_shapes_failures_sorts_each_failed_image_once(repo_root, capsys):
         failures.main(["--prompts", "nope"])
 
 
+def test_shapes_commitment_matches_objects_and_runs(repo_root, capsys):
+    commitment = _load(repo_root, "shapes_commitment")
+    obj = lambda shape, color, x, y: {"shape": shape, "color": color, "cx": x, "cy": y}  # noqa: E731
+    original = [obj("circle", "red", 6, 16), obj("square", "blue", 26, 16)]
+    # the same objects listed the other way round, moved 1 px: all kept
+    assert commitment.compare(original, [obj("square", "blue", 25, 16), obj("circle", "red", 7, 16)], 3.0) == {
+        "layout": True, "colours": True, "shapes": True}
+    # same places, the shapes swapped (the relation flips), colours stay
+    assert commitment.compare(original, [obj("square", "red", 6, 16), obj("circle", "blue", 26, 16)], 3.0) == {
+        "layout": True, "colours": True, "shapes": False}
+    moved = commitment.compare(original, [obj("circle", "red", 6, 16), obj("square", "green", 26, 25)], 3.0)
+    assert moved == {"layout": False, "colours": False, "shapes": True}
+    assert commitment.compare(original, original[:1], 3.0) is None  # different object counts: no match
+    assert commitment.compare([], [], 3.0) is None
+    records = [{"objects": [obj("square", "red", 6, 16), obj("circle", "blue", 26, 16)], "passed": False},
+               {"objects": original, "passed": True}, {"objects": original[:1], "passed": False},
+               {"objects": [obj("circle", "red", 6, 30), obj("square", "blue", 26, 16)], "passed": False}]
+    row = commitment.summarise(records, [{"objects": original}] * 4, 3.0)
+    assert row == {"images": 4, "matched": 0.75, "layout": 0.5, "colours": 1.0, "shapes": 0.5, "passed": 0.25}
+    # a whole run on the tiny model: one row per branch step
+    assert commitment.main(["--model", "tiny:shapes", "--images", "3", "--steps", "3", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines[3:]] == ["0", "1", "2"]
+    with pytest.raises(SystemExit, match="--family"):
+        commitment.main(["--model", "tiny:shapes", "--family", "nope"])
+
+
 def test_eval_steps_pairs_each_step_count_with_the_largest(repo_root, capsys):
     eval_steps = _load(repo_root, "eval_steps")
     assert eval_steps.main(["--model", "tiny:shapes", "--steps", "3,1", "--images-per-family", "2", "--threads", "1"]) == 0
