@@ -59,6 +59,11 @@ VARIANTS: dict[str, list[str]] = {
     "full_lr1e-4_passfail": [*FULL, "optim.lr=1e-4", "reward.kwargs.partial_credit=false"],
     "full_lr1e-4_passfail_hard4": [*FULL, "optim.lr=1e-4", "reward.kwargs.partial_credit=false",
                                    "prompts.family_weights={position: 4, color_attr: 4}"],
+    # the SDE window over steps 0-5 instead of 0-3: on position prompts the layout and which shape
+    # stands where are fixed at steps 2-5 of 10 (benchmarks/shapes_commitment.py)
+    "full_lr1e-4_passfail_hard4_window6": [*FULL, "optim.lr=1e-4", "reward.kwargs.partial_credit=false",
+                                           "prompts.family_weights={position: 4, color_attr: 4}",
+                                           "sampling.window_size=6"],
     # more exploration where layouts are drawn (noise level 1.0 instead of 0.7), weak families x4
     "full_lr1e-4_noise1_hard4": [*FULL, "optim.lr=1e-4", "sampling.noise_level=1.0",
                                  "prompts.family_weights={position: 4, color_attr: 4}"],
