@@ -56,7 +56,8 @@ class ShapesModelConfig:
     # layout and colour are decided at 32 px (1.0 = uniform sigmas)
     coordinate_channels: bool = False  # two extra UNet input channels holding each pixel's x and y
     # in [-1, 1] (CoordConv), appended by the pipeline's hook: a conv UNet otherwise knows where a
-    # pixel is only from the zero padding at the borders, which "left of" and "above" need
+    # pixel is only from the zero padding at the borders (what it changed for relations such as
+    # "left of": docs/shapes_world.md)
 
 
 TINY_CONFIG = ShapesModelConfig(
