@@ -121,14 +121,16 @@ def backfill_partial(result: dict, run_dir: Path) -> None:
 
 def format_rows(results: list[dict]) -> str:
     rows = sorted(results, key=lambda r: (r["after"][METRICS[0]], r["after"][METRICS[1]]), reverse=True)
-    lines = [f"{'variant':30}{'pass rate':>22}{'partial credit':>22}{'family mean':>22}{'train reward':>16}{'min':>6}"
+    width = max([30, *(len(r["name"]) + 2 for r in rows)])  # the names column fits the longest name
+    lines = [f"{'variant':{width}}{'pass rate':>19}{'partial credit':>19}{'family mean':>19}{'train reward':>15}{'min':>6}"
              f"   paired pass-rate difference [95 % interval]"]
     for r in rows:
         cells = "".join(f"{r['before'][k]:>10.3f} -> {r['after'][k]:.3f}" for k in METRICS)
         paired = r.get("paired", {}).get("acc/images")
         diff = (f"   {paired[0]:+.3f} [{paired[1]:+.3f}, {paired[2]:+.3f}]{' *' if paired[1] > 0 or paired[2] < 0 else ''}"
                 if paired else "")
-        lines.append(f"{r['name']:30}{cells}{r['train_reward_first']:>8.3f}->{r['train_reward_last']:.3f}{r['seconds'] / 60:>6.1f}{diff}")
+        lines.append(f"{r['name']:{width}}{cells}{r['train_reward_first']:>8.3f}->{r['train_reward_last']:.3f}"
+                     f"{r['seconds'] / 60:>6.1f}{diff}")
     return "\n".join(lines)
 
 
