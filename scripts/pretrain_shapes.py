@@ -4,7 +4,7 @@ Rectified-flow matching in pixel space (32x32, no VAE) on images rendered on the
 :mod:`diffalign.shapes.world`, conditioned on the TRAIN split's prompts only (held-out
 colour-shape combinations are never seen), with ``--uncond-prob`` empty prompts for CFG.
 
-    x0 = 2 * image - 1,  eps ~ N(0, I),  t ~ U(0, 1)
+    x0 = 2 * image - 1,  eps ~ N(0, I),  u ~ U(0, 1),  t = s u / (1 + (s - 1) u)  (s: --timestep-shift)
     x_t = (1 - t) * x0 + t * eps,  loss = || v_theta(x_t, t, c) - (eps - x0) ||^2
 
 Reproduce the shipped model (diffalign/assets/shapes-t2i) with the defaults, resumable at any
@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--ema-decay", type=float, default=0.999, help="EMA of weights that gets saved (0: off)")
     p.add_argument("--uncond-prob", type=float, default=0.1, help="share of empty prompts (for CFG)")
+    p.add_argument("--timestep-shift", type=float, default=1.0,
+                   help="draw t = s u / (1 + (s-1) u), u ~ U(0, 1): s > 1 trains more at high noise, where the layout "
+                        "is decided, as the sampler's shift samples more there (1: uniform t, the shipped model)")
     p.add_argument("--family-weights", default="",
                    help="draw families in these proportions instead of uniformly, e.g. 'color_attr=3,position=2' "
                         "(unnamed families weigh 1); a curriculum for continuing a model on its weakest families")
@@ -140,6 +143,17 @@ def parse_family_weights(text: str) -> dict[str, float]:
         except ValueError:  # no '=' (value '') or not a number
             raise SystemExit(f"--family-weights: expected FAMILY=WEIGHT, got {item!r}") from None
     return out
+
+
+def shift_timesteps(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """``u`` in [0, 1] -> ``shift * u / (1 + (shift - 1) * u)``, the map a flow-matching scheduler's
+    ``shift`` applies to its sigmas (SD3 trains and samples with the same one): ``shift`` > 1 moves
+    mass to high noise, ``shift`` = 1 returns ``u`` unchanged."""
+    if shift <= 0:
+        raise SystemExit(f"--timestep-shift must be > 0, got {shift}")
+    if shift == 1.0:
+        return u
+    return shift * u / (1 + (shift - 1) * u)
 
 
 # ---- evaluation -----------------------------------------------------------------------------
@@ -385,6 +399,10 @@ def main(argv=None) -> None:
         info = load_state(state_dir, params, ema, opt, sched, rng, arch)
         step, loss_avg = info["step"], info["loss_avg"]
         print(f"resumed from {state_dir} at step {step}", flush=True)
+        saved_shift = float(info.get("timestep_shift", 1.0))  # states saved before the flag: uniform t
+        if saved_shift != args.timestep_shift and not args.export_only:
+            print(f"note: the state was trained with --timestep-shift {saved_shift:g}; continuing with "
+                  f"{args.timestep_shift:g}", flush=True)
     first_step = step
     stop_at = args.steps if args.until is None else min(args.until, args.steps)
     if args.export_only:
@@ -404,7 +422,7 @@ def main(argv=None) -> None:
         cond_prompts = ["" if d else p for p, d in zip(prompts, drop)]
 
         eps = torch.randn_like(x0)
-        t = torch.rand(x0.shape[0])
+        t = shift_timesteps(torch.rand(x0.shape[0]), args.timestep_shift)
         x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * eps
         ids = pipe.tokenize(cond_prompts)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.mixed_precision == "bf16"):
@@ -430,7 +448,7 @@ def main(argv=None) -> None:
             say(f"step {step:5d}  loss {loss_avg:.4f}  grad {grad_norm:.2f}  lr {sched.get_last_lr()[0]:.2e}  "
                 f"{(step - first_step) / el:.2f} steps/s  {el / 60:.1f} min")
         if state_dir is not None and step % args.ckpt_every == 0:
-            save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg, "architecture": arch})
+            save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg, "architecture": arch, "timestep_shift": args.timestep_shift})
             if not args.no_eval and step % args.ckpt_every == 0:
                 t_ev = time.time()
                 res = evaluate(eval_pipe(*ema_state()), heldout_prompts, 16, args.eval_steps, cfg_scale)
@@ -440,7 +458,7 @@ def main(argv=None) -> None:
     bar.close()
     print(f"trained to step {step} ({step - first_step} steps) in {(time.time() - start) / 60:.1f} min", flush=True)
     if state_dir is not None and not args.export_only:
-        save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg, "architecture": arch})
+        save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg, "architecture": arch, "timestep_shift": args.timestep_shift})
     unet_sd, text_sd = ema_state()
     save(eval_pipe(unet_sd, text_sd), unet_sd, args.out)
     print(f"saved to {args.out}", flush=True)

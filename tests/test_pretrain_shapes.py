@@ -167,3 +167,16 @@ def test_init_from_widens_a_saved_model_into_coordinate_channels(pretrain, tmp_p
                                    plain.unet(x, t, encoder_hidden_states=context).sample, atol=1e-3, rtol=1e-3)
     with pytest.raises(SystemExit, match="--init-from"):
         _run(pretrain, tmp_path, "missing", 1, "--init-from", str(tmp_path / "nowhere"))
+
+
+def test_timestep_shift_moves_training_to_high_noise_and_is_recorded(pretrain, tmp_path):
+    u = torch.linspace(0, 1, 1001)
+    assert torch.equal(pretrain.shift_timesteps(u, 1.0), u)  # the default: uniform t, unchanged
+    t = pretrain.shift_timesteps(u, 2.0)
+    assert t[0] == 0 and t[-1] == 1 and bool((t[1:] > t[:-1]).all())
+    assert float(t[500]) == pytest.approx(2 / 3)  # the scheduler's sigma map: 2 * 0.5 / (1 + 0.5)
+    assert float((t > 0.85).float().mean()) == pytest.approx(1 - 0.85 / 1.15, abs=2e-3)  # 0.26, not 0.15
+    with pytest.raises(SystemExit, match="timestep-shift"):
+        pretrain.shift_timesteps(u, 0.0)
+    state = _run(pretrain, tmp_path, "shifted", 2, "--timestep-shift", "2")
+    assert json.loads((state / "state.json").read_text())["timestep_shift"] == 2.0
