@@ -169,6 +169,35 @@ def test_shapes_commitment_matches_objects_and_runs(repo_root, capsys):
         commitment.main(["--model", "tiny:shapes", "--family", "nope"])
 
 
+def test_shapes_layout_probe_pairs_prompts_by_one_property_and_runs(repo_root, capsys):
+    probe = _load(repo_root, "shapes_layout_probe")
+    from diffalign.shapes import split_prompts
+    from diffalign.shapes.world import parse_prompt
+
+    pairs = probe.contrast_pairs(list(split_prompts().train))
+    assert all(pairs[k] for k in probe.KINDS)
+    for a, b in pairs["axis"]:
+        sa, sb = parse_prompt(a), parse_prompt(b)
+        assert [o.shape for o in sa.objects] == [o.shape for o in sb.objects]
+        assert {sa.relation in probe.HORIZONTAL, sb.relation in probe.HORIZONTAL} == {True, False}
+    for a, b in pairs["side"]:
+        sa, sb = parse_prompt(a), parse_prompt(b)
+        assert sa.relation == sb.relation and [o.shape for o in sa.objects] == [o.shape for o in sb.objects][::-1]
+    for a, b in pairs["count"]:
+        assert parse_prompt(a).objects[0].count != parse_prompt(b).objects[0].count
+    assert probe.rms([0.0, 0.0], [3.0, 4.0]) == pytest.approx(12.5 ** 0.5)
+    # renders of a horizontal and a vertical pair differ far more than two draws of one prompt
+    horizontal, vertical = "a photo of a circle left of a square", "a photo of a circle above a square"
+    assert probe.rms(probe.render_mean(horizontal, 400, 0), probe.render_mean(vertical, 400, 0)) > 4 * probe.rms(
+        probe.render_mean(horizontal, 400, 0), probe.render_mean(horizontal, 400, 1))
+    assert probe.main(["--model", "tiny:shapes", "--samples", "4", "--renders", "3", "--max-pairs", "1",
+                       "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[1].startswith("noise floor") and [line.split()[0] for line in lines[3:]] == list(probe.KINDS)
+    with pytest.raises(SystemExit, match="--sigma"):
+        probe.main(["--model", "tiny:shapes", "--sigma", "0"])
+
+
 def test_eval_steps_pairs_each_step_count_with_the_largest(repo_root, capsys):
     eval_steps = _load(repo_root, "eval_steps")
     assert eval_steps.main(["--model", "tiny:shapes", "--steps", "3,1", "--images-per-family", "2", "--threads", "1"]) == 0
