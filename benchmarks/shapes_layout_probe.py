@@ -1,7 +1,7 @@
 """Does a ShapesWorld model's prompt reach the noise levels where the layout is decided?
 
     python benchmarks/shapes_layout_probe.py [--model shapes] [--sigma 0.95] [--samples 128]
-        [--renders 1000] [--threads 2]
+        [--renders 2000] [--threads 2]
 
 At high noise a flow model's best guess of the clean image, ``x0_hat = x_t - sigma * v``, averaged
 over the noise, is the mean image of what the prompt asks for: that mean is what the first

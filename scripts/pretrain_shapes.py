@@ -329,6 +329,8 @@ def save(pipe, unet_weights, out: str) -> None:
 # ---- main -----------------------------------------------------------------------------------
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.timestep_shift <= 0:
+        raise SystemExit(f"--timestep-shift must be > 0, got {args.timestep_shift}")
     progress.set_quiet(args.quiet)
     torch.set_num_threads(args.threads)
     from diffusers.utils import logging as diffusers_logging
@@ -348,6 +350,9 @@ def main(argv=None) -> None:
     sampler = PromptSampler(train_prompts, rng, parse_family_weights(args.family_weights))
 
     arch = architecture(args)
+
+    def state_meta(step: int, loss_avg) -> dict:
+        return {"step": step, "loss_avg": loss_avg, "architecture": arch, "timestep_shift": args.timestep_shift}
     config = dataclasses.replace(TINY_CONFIG if args.tiny else ShapesModelConfig(), **arch)
     levels = len(config.block_out_channels)
     if not 1 <= args.cross_attention_levels <= levels:
@@ -448,7 +453,7 @@ def main(argv=None) -> None:
             say(f"step {step:5d}  loss {loss_avg:.4f}  grad {grad_norm:.2f}  lr {sched.get_last_lr()[0]:.2e}  "
                 f"{(step - first_step) / el:.2f} steps/s  {el / 60:.1f} min")
         if state_dir is not None and step % args.ckpt_every == 0:
-            save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg, "architecture": arch, "timestep_shift": args.timestep_shift})
+            save_state(state_dir, params, ema, opt, sched, rng, state_meta(step, loss_avg))
             if not args.no_eval and step % args.ckpt_every == 0:
                 t_ev = time.time()
                 res = evaluate(eval_pipe(*ema_state()), heldout_prompts, 16, args.eval_steps, cfg_scale)
@@ -458,7 +463,7 @@ def main(argv=None) -> None:
     bar.close()
     print(f"trained to step {step} ({step - first_step} steps) in {(time.time() - start) / 60:.1f} min", flush=True)
     if state_dir is not None and not args.export_only:
-        save_state(state_dir, params, ema, opt, sched, rng, {"step": step, "loss_avg": loss_avg, "architecture": arch, "timestep_shift": args.timestep_shift})
+        save_state(state_dir, params, ema, opt, sched, rng, state_meta(step, loss_avg))
     unet_sd, text_sd = ema_state()
     save(eval_pipe(unet_sd, text_sd), unet_sd, args.out)
     print(f"saved to {args.out}", flush=True)

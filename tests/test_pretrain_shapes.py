@@ -178,5 +178,7 @@ def test_timestep_shift_moves_training_to_high_noise_and_is_recorded(pretrain, t
     assert float((t > 0.85).float().mean()) == pytest.approx(1 - 0.85 / 1.15, abs=2e-3)  # 0.26, not 0.15
     with pytest.raises(SystemExit, match="timestep-shift"):
         pretrain.shift_timesteps(u, 0.0)
+    with pytest.raises(SystemExit, match="timestep-shift"):
+        _run(pretrain, tmp_path, "bad", 1, "--timestep-shift", "0")
     state = _run(pretrain, tmp_path, "shifted", 2, "--timestep-shift", "2")
     assert json.loads((state / "state.json").read_text())["timestep_shift"] == 2.0
