@@ -67,10 +67,9 @@ def render_mean(prompt: str, n: int, seed: int):
     [-1, 1] (H, W): colours the prompt leaves free average out faster than in each channel."""
     import numpy as np
 
-    from diffalign.shapes.scenes import render_prompt
+    from diffalign.shapes.scenes import make_batch
 
-    rng = np.random.default_rng(seed)
-    return 2 * np.mean([render_prompt(prompt, rng).mean(axis=0) for _ in range(n)], axis=0) - 1
+    return 2 * make_batch([prompt] * n, np.random.default_rng(seed)).mean(dim=(0, 1)).numpy() - 1
 
 
 def rms(a, b) -> float:
@@ -112,8 +111,8 @@ def main(argv=None) -> int:
         if prompt not in cache:
             embeds = adapter.encode_prompts([prompt] * args.samples, with_uncond=False)
             with torch.no_grad():
-                v = adapter.predict(x_t, t, embeds).float()
-            x0_hat = (x_t - args.sigma * v).mean((0, 1)).numpy()  # over the noise and the colour channels
+                x0_hat = adapter.to_x0(adapter.predict(x_t, t, embeds), x_t, t)
+            x0_hat = x0_hat.mean((0, 1)).numpy()  # over the noise and the colour channels
             cache[prompt] = (x0_hat, render_mean(prompt, args.renders, args.seed))
         return cache[prompt]
 
