@@ -75,6 +75,10 @@ def parse_args(argv=None):
                         "the UNet through cross-attention only)")
     p.add_argument("--cross-attention-levels", type=int, default=DEFAULT_ARCHITECTURE["cross_attention_levels"],
                    help="architecture: cross-attention at the lowest N resolution levels (1: 8x8 only; 2: also 16x16)")
+    p.add_argument("--text-encoder", choices=("clip", "t5"), default=DEFAULT_ARCHITECTURE["text_encoder"],
+                   help="architecture: the prompt encoder (clip: causal CLIPTextModel, the shipped model; t5: "
+                        "bidirectional T5EncoderModel, in which the first shape of 'a circle left of a square' "
+                        "also sees the relation word)")
     p.add_argument("--coordinate-channels", action="store_true",
                    help="architecture: two extra UNet input channels with each pixel's x and y (CoordConv)")
     p.add_argument("--init-from", default=None,
@@ -203,17 +207,19 @@ def format_table(rows: dict[str, dict]) -> str:
 # ---- architecture ---------------------------------------------------------------------------
 # The shipped model's architecture (the flags' defaults): cross-attention at 16x16 and 8x8 binds
 # colours to objects, which cross-attention at 8x8 alone did not learn (docs/shapes_world.md).
-DEFAULT_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 2, "coordinate_channels": False}
+DEFAULT_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 2, "coordinate_channels": False,
+                        "text_encoder": "clip"}
 # What a state without an "architecture" record was trained with: every state saved before the
 # flags existed (the earlier shipped model, cross-attention at 8x8 only), whatever the defaults become.
-UNRECORDED_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 1, "coordinate_channels": False}
+UNRECORDED_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 1, "coordinate_channels": False,
+                           "text_encoder": "clip"}
 
 
 def architecture(args) -> dict:
     """The :class:`ShapesModelConfig` fields the architecture flags set (recorded in the state)."""
     return {"text_time_embedding": not args.no_text_time_embedding,
             "cross_attention_levels": args.cross_attention_levels,
-            "coordinate_channels": args.coordinate_channels}
+            "coordinate_channels": args.coordinate_channels, "text_encoder": args.text_encoder}
 
 
 def recorded_architecture(info: dict) -> dict:

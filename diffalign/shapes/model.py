@@ -5,7 +5,10 @@ peft, ``save_pretrained`` / ``from_pretrained``, adapters) uses the real library
 
 - ``tokenizer``: a transformers ``CLIPTokenizer`` built in memory from the world's vocabulary;
   every vocabulary word is exactly one token (``"red"`` -> ``"red</w>"``);
-- ``text_encoder``: a 2-layer ``CLIPTextModel`` (~0.27M parameters at width 128);
+- ``text_encoder``: a 2-layer ``CLIPTextModel`` (~0.27M parameters at width 128), or with
+  ``text_encoder="t5"`` a 2-layer ``T5EncoderModel`` (~0.35M): CLIP's causal attention leaves
+  the first shape of "a circle left of a square" the same vector whatever the relation word
+  after it, T5's bidirectional attention lets every token see the whole prompt;
 - ``unet``: a conv ``UNet2DConditionModel`` in pixel space (3 -> 3 channels, no VAE) with
   channels 32/64/128, cross-attention at the 16x16 and 8x8 levels and in the mid block, and an
   attention-pooled text vector added to the time embedding (``addition_embed_type="text"``)
@@ -54,6 +57,8 @@ class ShapesModelConfig:
     sample_size: int = 32  # pixels
     shift: float = 2.0  # scheduler shift: more of the few sampling steps at high noise, where
     # layout and colour are decided at 32 px (1.0 = uniform sigmas)
+    text_encoder: str = "clip"  # "clip": causal CLIPTextModel (the shipped model); "t5": bidirectional
+    # T5EncoderModel with relative position buckets (as SD3 / FLUX / PixArt encode prompts)
     coordinate_channels: bool = False  # two extra UNet input channels holding each pixel's x and y
     # in [-1, 1] (CoordConv), appended by the pipeline's hook: a conv UNet otherwise knows where a
     # pixel is only from the zero padding at the borders (what it changed for relations such as
@@ -165,7 +170,24 @@ def widen_for_coordinates(unet, source) -> None:
     unet.load_state_dict(state)
 
 
+TEXT_ENCODERS = ("clip", "t5")
+
+
 def build_text_encoder(vocab_size: int, config: ShapesModelConfig = ShapesModelConfig()):
+    """The prompt encoder of ``config.text_encoder`` at ``config``'s widths (pad = eos = id 1)."""
+    if config.text_encoder == "t5":
+        from transformers import T5Config, T5EncoderModel
+
+        t5 = T5Config(
+            vocab_size=vocab_size, d_model=config.text_width, d_kv=config.text_width // config.text_heads,
+            d_ff=config.text_mlp, num_layers=config.text_layers, num_heads=config.text_heads,
+            relative_attention_num_buckets=8, relative_attention_max_distance=config.max_length,
+            dropout_rate=0.0, feed_forward_proj="gated-gelu", pad_token_id=1, eos_token_id=1,
+            decoder_start_token_id=0, tie_word_embeddings=False,
+        )
+        return T5EncoderModel(t5)
+    if config.text_encoder != "clip":
+        raise ValueError(f"text_encoder must be one of {TEXT_ENCODERS}, got {config.text_encoder!r}")
     from transformers import CLIPTextConfig, CLIPTextModel
 
     cfg = CLIPTextConfig(
