@@ -53,7 +53,7 @@ def test_resume_without_state_is_a_clear_error(pretrain, tmp_path):
 def test_architecture_flags_build_save_and_guard_the_resume(pretrain, tmp_path):
     state = _run(pretrain, tmp_path, "arch", 2, "--until", "1", "--no-text-time-embedding", "--cross-attention-levels", "2")
     assert json.loads((state / "state.json").read_text())["architecture"] == {
-        "text_time_embedding": False, "cross_attention_levels": 2, "coordinate_channels": False}
+        "text_time_embedding": False, "cross_attention_levels": 2, "coordinate_channels": False, "text_encoder": "clip"}
     with pytest.raises(SystemExit, match="was trained with architecture"):
         _run(pretrain, tmp_path, "arch", 2, "--resume")  # the default flags: another architecture
     _run(pretrain, tmp_path, "arch", 2, "--resume", "--no-text-time-embedding", "--cross-attention-levels", "2")
@@ -64,6 +64,21 @@ def test_architecture_flags_build_save_and_guard_the_resume(pretrain, tmp_path):
     assert list(unet.config.down_block_types) == ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"]
     with pytest.raises(SystemExit, match="--cross-attention-levels"):
         _run(pretrain, tmp_path, "bad", 2, "--cross-attention-levels", "4")
+
+
+def test_t5_text_encoder_is_recorded_saved_and_guarded(pretrain, tmp_path):
+    state = _run(pretrain, tmp_path, "t5", 2, "--until", "1", "--text-encoder", "t5")
+    assert json.loads((state / "state.json").read_text())["architecture"]["text_encoder"] == "t5"
+    with pytest.raises(SystemExit, match="was trained with architecture"):
+        _run(pretrain, tmp_path, "t5", 2, "--resume")  # the default (CLIP) encoder: another architecture
+    _run(pretrain, tmp_path, "t5", 2, "--resume", "--text-encoder", "t5")
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    assert type(ShapesPipeline.from_pretrained(str(tmp_path / "t5" / "model")).text_encoder).__name__ == "T5EncoderModel"
+    # a CLIP model does not initialise a T5 one: a clear error naming the flag
+    _run(pretrain, tmp_path, "clip", 1)
+    with pytest.raises(SystemExit, match="does not fit the architecture flags"):
+        _run(pretrain, tmp_path, "t5_from_clip", 1, "--text-encoder", "t5", "--init-from", str(tmp_path / "clip" / "model"))
 
 
 def test_states_without_an_architecture_record_resume_with_cross_attention_at_8x8(pretrain, tmp_path):
