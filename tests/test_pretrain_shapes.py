@@ -66,19 +66,19 @@ def test_architecture_flags_build_save_and_guard_the_resume(pretrain, tmp_path):
         _run(pretrain, tmp_path, "bad", 2, "--cross-attention-levels", "4")
 
 
-def test_t5_text_encoder_is_recorded_saved_and_guarded(pretrain, tmp_path):
-    state = _run(pretrain, tmp_path, "t5", 2, "--until", "1", "--text-encoder", "t5")
-    assert json.loads((state / "state.json").read_text())["architecture"]["text_encoder"] == "t5"
+def test_text_encoder_flag_is_recorded_saved_and_guarded(pretrain, tmp_path):
+    state = _run(pretrain, tmp_path, "enc", 2, "--until", "1", "--text-encoder", "bert")
+    assert json.loads((state / "state.json").read_text())["architecture"]["text_encoder"] == "bert"
     with pytest.raises(SystemExit, match="was trained with architecture"):
-        _run(pretrain, tmp_path, "t5", 2, "--resume")  # the default (CLIP) encoder: another architecture
-    _run(pretrain, tmp_path, "t5", 2, "--resume", "--text-encoder", "t5")
+        _run(pretrain, tmp_path, "enc", 2, "--resume")  # the default (CLIP) encoder: another architecture
+    _run(pretrain, tmp_path, "enc", 2, "--resume", "--text-encoder", "bert")
     from diffalign.shapes.pipeline import ShapesPipeline
 
-    assert type(ShapesPipeline.from_pretrained(str(tmp_path / "t5" / "model")).text_encoder).__name__ == "T5EncoderModel"
-    # a CLIP model does not initialise a T5 one: a clear error naming the flag
+    assert type(ShapesPipeline.from_pretrained(str(tmp_path / "enc" / "model")).text_encoder).__name__ == "BertModel"
+    # a CLIP model does not initialise a BERT one: a clear error
     _run(pretrain, tmp_path, "clip", 1)
     with pytest.raises(SystemExit, match="does not fit the architecture flags"):
-        _run(pretrain, tmp_path, "t5_from_clip", 1, "--text-encoder", "t5", "--init-from", str(tmp_path / "clip" / "model"))
+        _run(pretrain, tmp_path, "bert_from_clip", 1, "--text-encoder", "bert", "--init-from", str(tmp_path / "clip" / "model"))
 
 
 def test_states_without_an_architecture_record_resume_with_cross_attention_at_8x8(pretrain, tmp_path):

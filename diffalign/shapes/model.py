@@ -5,10 +5,13 @@ peft, ``save_pretrained`` / ``from_pretrained``, adapters) uses the real library
 
 - ``tokenizer``: a transformers ``CLIPTokenizer`` built in memory from the world's vocabulary;
   every vocabulary word is exactly one token (``"red"`` -> ``"red</w>"``);
-- ``text_encoder``: a 2-layer ``CLIPTextModel`` (~0.27M parameters at width 128), or with
-  ``text_encoder="t5"`` a 2-layer ``T5EncoderModel`` (~0.35M): CLIP's causal attention leaves
-  the first shape of "a circle left of a square" the same vector whatever the relation word
-  after it, T5's bidirectional attention lets every token see the whole prompt;
+- ``text_encoder``: a 2-layer ``CLIPTextModel`` (~0.27M parameters at width 128), or a 2-layer
+  bidirectional encoder: ``text_encoder="bert"`` (``BertModel``, learned absolute positions) or
+  ``"t5"`` (``T5EncoderModel``, relative position buckets only). CLIP's causal attention leaves
+  the first shape of "a circle left of a square" the same vector whatever the relation word after
+  it; in a bidirectional encoder every token sees the whole prompt. With relative positions only,
+  a prompt and its swapped twin ("a square left of a circle") encode to nearly the same set of
+  vectors, which the UNet's cross-attention cannot tell apart (docs/shapes_world.md);
 - ``unet``: a conv ``UNet2DConditionModel`` in pixel space (3 -> 3 channels, no VAE) with
   channels 32/64/128, cross-attention at the 16x16 and 8x8 levels and in the mid block, and an
   attention-pooled text vector added to the time embedding (``addition_embed_type="text"``)
@@ -57,8 +60,8 @@ class ShapesModelConfig:
     sample_size: int = 32  # pixels
     shift: float = 2.0  # scheduler shift: more of the few sampling steps at high noise, where
     # layout and colour are decided at 32 px (1.0 = uniform sigmas)
-    text_encoder: str = "clip"  # "clip": causal CLIPTextModel (the shipped model); "t5": bidirectional
-    # T5EncoderModel with relative position buckets (as SD3 / FLUX / PixArt encode prompts)
+    text_encoder: str = "clip"  # "clip": causal CLIPTextModel (the shipped model); "bert": bidirectional
+    # BertModel with absolute positions; "t5": bidirectional T5EncoderModel, relative positions only
     coordinate_channels: bool = False  # two extra UNet input channels holding each pixel's x and y
     # in [-1, 1] (CoordConv), appended by the pipeline's hook: a conv UNet otherwise knows where a
     # pixel is only from the zero padding at the borders (what it changed for relations such as
@@ -170,7 +173,7 @@ def widen_for_coordinates(unet, source) -> None:
     unet.load_state_dict(state)
 
 
-TEXT_ENCODERS = ("clip", "t5")
+TEXT_ENCODERS = ("clip", "bert", "t5")
 
 
 def build_text_encoder(vocab_size: int, config: ShapesModelConfig = ShapesModelConfig()):
@@ -186,6 +189,16 @@ def build_text_encoder(vocab_size: int, config: ShapesModelConfig = ShapesModelC
             decoder_start_token_id=0, tie_word_embeddings=False,
         )
         return T5EncoderModel(t5)
+    if config.text_encoder == "bert":
+        from transformers import BertConfig, BertModel
+
+        bert = BertConfig(
+            vocab_size=vocab_size, hidden_size=config.text_width, num_hidden_layers=config.text_layers,
+            num_attention_heads=config.text_heads, intermediate_size=config.text_mlp,
+            max_position_embeddings=config.max_length, type_vocab_size=1, pad_token_id=1,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+        return BertModel(bert)
     if config.text_encoder != "clip":
         raise ValueError(f"text_encoder must be one of {TEXT_ENCODERS}, got {config.text_encoder!r}")
     from transformers import CLIPTextConfig, CLIPTextModel
