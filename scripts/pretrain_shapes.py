@@ -42,6 +42,7 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from diffalign import progress  # noqa: E402 (after the source-checkout path)
+from diffalign.shapes.model import TEXT_ENCODERS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -75,7 +76,7 @@ def parse_args(argv=None):
                         "the UNet through cross-attention only)")
     p.add_argument("--cross-attention-levels", type=int, default=DEFAULT_ARCHITECTURE["cross_attention_levels"],
                    help="architecture: cross-attention at the lowest N resolution levels (1: 8x8 only; 2: also 16x16)")
-    p.add_argument("--text-encoder", choices=("clip", "bert", "t5"), default=DEFAULT_ARCHITECTURE["text_encoder"],
+    p.add_argument("--text-encoder", choices=TEXT_ENCODERS, default=DEFAULT_ARCHITECTURE["text_encoder"],
                    help="architecture: the prompt encoder (clip: causal CLIPTextModel, the shipped model; bert: "
                         "bidirectional BertModel with absolute positions, in which the first shape of 'a circle left "
                         "of a square' also sees the relation word; t5: bidirectional T5EncoderModel, relative "

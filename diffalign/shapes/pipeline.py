@@ -11,8 +11,9 @@ Use it like any diffusers pipeline::
     pipe = ShapesPipeline.from_pretrained(SHIPPED_MODEL_DIR)
     images = pipe(["two red circles"], generator=torch.Generator().manual_seed(0)).images
 
-Components: ``text_encoder`` (``CLIPTextModel``, or ``T5EncoderModel``), ``tokenizer`` (``CLIPTokenizer``), ``unet``
-(``UNet2DConditionModel``), ``scheduler`` (``FlowMatchEulerDiscreteScheduler``); see
+Components: ``text_encoder`` (``CLIPTextModel``; ``BertModel`` or ``T5EncoderModel`` as options),
+``tokenizer`` (``CLIPTokenizer``), ``unet`` (``UNet2DConditionModel``), ``scheduler``
+(``FlowMatchEulerDiscreteScheduler``); see
 :mod:`diffalign.shapes.model` for the architecture.
 """
 
@@ -59,7 +60,7 @@ class ShapesPipeline(DiffusionPipeline, StableDiffusionLoraLoaderMixin):
     def encode_prompt(self, prompts: Sequence[str], device=None) -> torch.Tensor:
         """Text -> ``encoder_hidden_states`` ``(B, L, D)``. As in Stable Diffusion, no attention
         mask is passed: CLIP's causal attention keeps padding from changing the prompt tokens
-        (a T5 encoder sees the padding it was trained with), and the UNet attends to the
+        (a bidirectional encoder sees the padding it was trained with), and the UNet attends to the
         padding positions it was trained with."""
         device = device or self.text_encoder.device
         ids = self.tokenize(prompts).to(device)
