@@ -153,6 +153,7 @@ EVAL_PROMPT_SETS = {
     "heldout": "held-out evaluation (held-out prompts + in-distribution families)",
     "probe": "generalisation probe (colour-shape pairs never trained)",
     "train": "training prompts",
+    "validation": "validation prompts (carved from the training split, for choosing hyperparameters and checkpoints)",
 }
 
 
@@ -160,9 +161,11 @@ def _eval_prompt_set(args) -> tuple[list[str], str]:
     """(distinct prompts, description) for --prompts."""
     if args.prompts in EVAL_PROMPT_SETS:
         from diffalign.shapes import split_prompts
+        from diffalign.shapes.world import validation_split
 
         split = split_prompts()
-        prompts = {"heldout": split.evaluation, "probe": lambda: split.probe, "train": lambda: split.train}[args.prompts]()
+        prompts = {"heldout": split.evaluation, "probe": lambda: split.probe, "train": lambda: split.train,
+                   "validation": lambda: validation_split(split)[1]}[args.prompts]()
         return list(prompts), EVAL_PROMPT_SETS[args.prompts]
     f = Path(args.prompts)
     if not f.is_file():
@@ -295,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default="shapes", help="base model id (default: the shipped shapes model)")
     p.add_argument("--no-base", action="store_true", help="skip the base model column (and the paired differences)")
     p.add_argument("--prompts", default="heldout",
-                   help="heldout (the headline evaluation) | probe (the generalisation probe) | train | a file with one prompt per line")
+                   help="heldout (the headline evaluation) | probe (the generalisation probe) | train | validation "
+                        "(training prompts set aside for choosing hyperparameters) | a file with one prompt per line")
     p.add_argument("--images-per-family", type=int, default=96, help="ShapesEval: images per GenEval family (default 96)")
     p.add_argument("--num-prompts", type=int, default=0,
                    help="first N entries only (ShapesEval: images of the evaluation list; 0 = all): a quick check, not the headline")
@@ -352,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="sample images: plain (ODE) or step-wise (k SDE branches per step, the best under a DRM kept)")
     p.add_argument("--model", default="shapes", help="model id or a run directory (its final/ weights)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); else --prompts")
-    p.add_argument("--prompts", default="heldout", help="heldout | probe | train | a file with one prompt per line")
+    p.add_argument("--prompts", default="heldout", help="heldout | probe | train | validation | a file with one prompt per line")
     p.add_argument("--num-prompts", type=int, default=8, help="first N prompts only (0 = all)")
     p.add_argument("--samples-per-prompt", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)

@@ -101,9 +101,24 @@ def test_eval_command_paired_difference_against_the_base(repo_root, tmp_path, ca
     assert overall.rstrip().endswith("+0.000 [+0.000, +0.000]")
 
 
+def test_eval_validation_prompts_are_the_sweeps_and_never_held_out():
+    """``--prompts validation`` evaluates the prompts a run with ``prompts.evaluate_on=validation``
+    (the tuning sweeps) evaluates on: training prompts only, none held out or in the probe."""
+    import argparse
+
+    from diffalign.cli import _eval_prompt_set
+    from diffalign.shapes import split_prompts
+    from diffalign.shapes.world import validation_split
+
+    prompts, what = _eval_prompt_set(argparse.Namespace(prompts="validation"))
+    split = split_prompts()
+    assert prompts == validation_split(split)[1] and what.startswith("validation prompts")
+    assert set(prompts) <= set(split.train) and not set(prompts) & (set(split.heldout) | set(split.probe))
+
+
 @pytest.mark.parametrize("args, message", [
     (["--no-base", "no/such/run"], "no/such/run"),
-    (["--prompts", "nonsense"], "--prompts: 'nonsense' is neither heldout/probe/train nor a prompt file"),
+    (["--prompts", "nonsense"], "--prompts: 'nonsense' is neither heldout/probe/train/validation nor a prompt file"),
     (["--samples-per-prompt", "2"], "--samples-per-prompt is for other rewards"),
     (["--images-per-family", "0"], "--images-per-family must be >= 1"),
     (["--mixed-precision", "fp8"], "--mixed-precision must be auto, bf16 or no, got 'fp8'"),
