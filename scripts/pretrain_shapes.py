@@ -7,15 +7,18 @@ colour-shape combinations are never seen), with ``--uncond-prob`` empty prompts 
     x0 = 2 * image - 1,  eps ~ N(0, I),  u ~ U(0, 1),  t = s u / (1 + (s - 1) u)  (s: --timestep-shift)
     x_t = (1 - t) * x0 + t * eps,  loss = || v_theta(x_t, t, c) - (eps - x0) ||^2
 
-Reproduce the shipped model (diffalign/assets/shapes-t2i) with the defaults, resumable at any
-point from the training state that ``--state-dir`` keeps (safetensors + JSON, no pickle)::
+Reproduce the shipped model (diffalign/assets/shapes-t2i): a BERT prompt encoder, noise levels
+drawn through a shift of 2 and position prompts twice as often (:data:`SHIPPED_RECIPE`), saved at
+step 4,500 of the 5,500-step schedule; resumable at any point from the training state that
+``--state-dir`` keeps (safetensors + JSON, no pickle)::
 
-    python scripts/pretrain_shapes.py --out diffalign/assets/shapes-t2i --state-dir scripts/pretrain_state/shapes-t2i-xattn16-pooled
+    python scripts/pretrain_shapes.py --text-encoder bert --timestep-shift 2 --family-weights position=2 --until 4500 \
+        --out diffalign/assets/shapes-t2i --state-dir scripts/pretrain_state/shapes-t2i-bert
     # interrupted? the same command with --resume continues exactly where the state was saved
-    python scripts/pretrain_shapes.py --out diffalign/assets/shapes-t2i --state-dir scripts/pretrain_state/shapes-t2i-xattn16-pooled --resume
 
-(``scripts/pretrain_state/shapes-t2i`` holds the state of the earlier shipped model, with cross-attention
-at 8x8 only: ``--cross-attention-levels 1`` resumes it.)
+(``scripts/pretrain_state/shapes-t2i-xattn16-pooled`` holds the state of the model shipped before, with the
+defaults' causal CLIP encoder; ``scripts/pretrain_state/shapes-t2i`` the one before it, with
+cross-attention at 8x8 only: ``--cross-attention-levels 1`` resumes it.)
 
 Prints the loss while training and, at the end, the ShapesEval accuracy per family on held-out
 and train prompts, sampled from the saved model with the pipeline's Euler ODE sampler.
@@ -207,8 +210,13 @@ def format_table(rows: dict[str, dict]) -> str:
 
 
 # ---- architecture ---------------------------------------------------------------------------
-# The shipped model's architecture (the flags' defaults): cross-attention at 16x16 and 8x8 binds
-# colours to objects, which cross-attention at 8x8 alone did not learn (docs/shapes_world.md).
+# The flags that reproduce the shipped model (its state: scripts/pretrain_state/shapes-t2i-bert):
+# the defaults' UNet with a bidirectional prompt encoder, which reads the relation word where the
+# causal CLIP one cannot; stopped at step 4,500 of the schedule, the last validation checkpoint
+# whose per-image pass rate leaves room to align (docs/shapes_world.md).
+SHIPPED_RECIPE = ("--text-encoder", "bert", "--timestep-shift", "2", "--family-weights", "position=2", "--until", "4500")
+# The flags' defaults: cross-attention at 16x16 and 8x8 binds colours to objects, which
+# cross-attention at 8x8 alone did not learn (docs/shapes_world.md).
 DEFAULT_ARCHITECTURE = {"text_time_embedding": True, "cross_attention_levels": 2, "coordinate_channels": False,
                         "text_encoder": "clip"}
 # What a state without an "architecture" record was trained with: every state saved before the

@@ -117,13 +117,16 @@ def test_export_only_writes_the_state_without_training(pretrain, tmp_path):
 
 
 def test_committed_state_is_complete_and_is_the_shipped_model(pretrain, repo_root):
-    """scripts/pretrain_state/shapes-t2i-xattn16-pooled holds the exact state the shipped model was
-    saved from: every group, each file under 20 MB, the default architecture, and its EMA weights are
-    the shipped UNet (stored in fp16)."""
-    state = repo_root / "scripts" / "pretrain_state" / "shapes-t2i-xattn16-pooled"
+    """scripts/pretrain_state/shapes-t2i-bert holds the exact state the shipped model was saved from:
+    every group, each file under 20 MB, the step and architecture of the recipe the script documents
+    (:data:`SHIPPED_RECIPE`), and its EMA weights are the shipped UNet (stored in fp16)."""
+    state = repo_root / "scripts" / "pretrain_state" / "shapes-t2i-bert"
     info = json.loads((state / "state.json").read_text())
-    assert info["step"] == pretrain.parse_args([]).steps
-    assert pretrain.recorded_architecture(info) == pretrain.architecture(pretrain.parse_args([])) == pretrain.DEFAULT_ARCHITECTURE
+    recipe = pretrain.parse_args(list(pretrain.SHIPPED_RECIPE))
+    assert info["step"] == recipe.until < recipe.steps  # stopped inside the schedule (--until)
+    assert pretrain.recorded_architecture(info) == pretrain.architecture(recipe)
+    assert pretrain.architecture(recipe)["text_encoder"] == "bert"
+    assert info["timestep_shift"] == recipe.timestep_shift == 2.0
     for name in (*pretrain.STATE_GROUPS, "rng"):
         f = state / f"{name}.safetensors"
         assert f.is_file() and f.stat().st_size < 20 * 2**20, f
