@@ -80,10 +80,10 @@ def parse_args(argv=None):
     p.add_argument("--cross-attention-levels", type=int, default=DEFAULT_ARCHITECTURE["cross_attention_levels"],
                    help="architecture: cross-attention at the lowest N resolution levels (1: 8x8 only; 2: also 16x16)")
     p.add_argument("--text-encoder", choices=TEXT_ENCODERS, default=DEFAULT_ARCHITECTURE["text_encoder"],
-                   help="architecture: the prompt encoder (clip: causal CLIPTextModel, the shipped model; bert: "
-                        "bidirectional BertModel with absolute positions, in which the first shape of 'a circle left "
-                        "of a square' also sees the relation word; t5: bidirectional T5EncoderModel, relative "
-                        "positions only)")
+                   help="architecture: the prompt encoder (clip: causal CLIPTextModel, the model shipped before; "
+                        "bert: bidirectional BertModel with absolute positions, the shipped model's, in which the first "
+                        "shape of 'a circle left of a square' also sees the relation word; t5: bidirectional "
+                        "T5EncoderModel, relative positions only)")
     p.add_argument("--coordinate-channels", action="store_true",
                    help="architecture: two extra UNet input channels with each pixel's x and y (CoordConv)")
     p.add_argument("--init-from", default=None,

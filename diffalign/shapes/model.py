@@ -6,8 +6,8 @@ peft, ``save_pretrained`` / ``from_pretrained``, adapters) uses the real library
 - ``tokenizer``: a transformers ``CLIPTokenizer`` built in memory from the world's vocabulary;
   every vocabulary word is exactly one token (``"red"`` -> ``"red</w>"``);
 - ``text_encoder``: a 2-layer ``CLIPTextModel`` (~0.27M parameters at width 128), or a 2-layer
-  bidirectional encoder: ``text_encoder="bert"`` (``BertModel``, learned absolute positions) or
-  ``"t5"`` (``T5EncoderModel``, relative position buckets only). CLIP's causal attention leaves
+  bidirectional encoder: ``text_encoder="bert"`` (``BertModel``, learned absolute positions; the
+  shipped model's) or ``"t5"`` (``T5EncoderModel``, relative position buckets only). CLIP's causal attention leaves
   the first shape of "a circle left of a square" the same vector whatever the relation word after
   it; in a bidirectional encoder every token sees the whole prompt. With relative positions only,
   a prompt and its swapped twin ("a square left of a circle") encode to nearly the same set of
@@ -60,8 +60,9 @@ class ShapesModelConfig:
     sample_size: int = 32  # pixels
     shift: float = 2.0  # scheduler shift: more of the few sampling steps at high noise, where
     # layout and colour are decided at 32 px (1.0 = uniform sigmas)
-    text_encoder: str = "clip"  # "clip": causal CLIPTextModel (the shipped model); "bert": bidirectional
-    # BertModel with absolute positions; "t5": bidirectional T5EncoderModel, relative positions only
+    text_encoder: str = "clip"  # "clip": causal CLIPTextModel (the model shipped before); "bert":
+    # bidirectional BertModel with absolute positions (the shipped model); "t5": bidirectional
+    # T5EncoderModel, relative positions only
     coordinate_channels: bool = False  # two extra UNet input channels holding each pixel's x and y
     # in [-1, 1] (CoordConv), appended by the pipeline's hook: a conv UNet otherwise knows where a
     # pixel is only from the zero padding at the borders (what it changed for relations such as

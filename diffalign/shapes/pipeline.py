@@ -11,7 +11,7 @@ Use it like any diffusers pipeline::
     pipe = ShapesPipeline.from_pretrained(SHIPPED_MODEL_DIR)
     images = pipe(["two red circles"], generator=torch.Generator().manual_seed(0)).images
 
-Components: ``text_encoder`` (``CLIPTextModel``; ``BertModel`` or ``T5EncoderModel`` as options),
+Components: ``text_encoder`` (``CLIPTextModel``, ``BertModel`` (the shipped model's) or ``T5EncoderModel``),
 ``tokenizer`` (``CLIPTokenizer``), ``unet`` (``UNet2DConditionModel``), ``scheduler``
 (``FlowMatchEulerDiscreteScheduler``); see
 :mod:`diffalign.shapes.model` for the architecture.
