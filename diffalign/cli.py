@@ -160,8 +160,7 @@ EVAL_PROMPT_SETS = {
 def _eval_prompt_set(args) -> tuple[list[str], str]:
     """(distinct prompts, description) for --prompts."""
     if args.prompts in EVAL_PROMPT_SETS:
-        from diffalign.shapes import split_prompts
-        from diffalign.shapes.world import validation_split
+        from diffalign.shapes import split_prompts, validation_split
 
         split = split_prompts()
         prompts = {"heldout": split.evaluation, "probe": lambda: split.probe, "train": lambda: split.train,

@@ -101,18 +101,20 @@ def test_eval_command_paired_difference_against_the_base(repo_root, tmp_path, ca
     assert overall.rstrip().endswith("+0.000 [+0.000, +0.000]")
 
 
-def test_eval_validation_prompts_are_the_sweeps_and_never_held_out():
+def test_eval_validation_prompts_are_the_sweeps_and_never_held_out(repo_root):
     """``--prompts validation`` evaluates the prompts a run with ``prompts.evaluate_on=validation``
     (the tuning sweeps) evaluates on: training prompts only, none held out or in the probe."""
     import argparse
 
     from diffalign.cli import _eval_prompt_set
+    from diffalign.config_files import load_config
+    from diffalign.prompts import resolve_prompts
     from diffalign.shapes import split_prompts
-    from diffalign.shapes.world import validation_split
 
     prompts, what = _eval_prompt_set(argparse.Namespace(prompts="validation"))
+    _, sweep_eval = resolve_prompts(load_config(repo_root / MAIN, ["prompts.evaluate_on=validation"]))
     split = split_prompts()
-    assert prompts == validation_split(split)[1] and what.startswith("validation prompts")
+    assert prompts == list(sweep_eval) and what.startswith("validation prompts")
     assert set(prompts) <= set(split.train) and not set(prompts) & (set(split.heldout) | set(split.probe))
 
 
