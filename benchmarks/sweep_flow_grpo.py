@@ -67,6 +67,9 @@ VARIANTS: dict[str, list[str]] = {
     # more exploration where layouts are drawn (noise level 1.0 instead of 0.7), weak families x4
     "full_lr1e-4_noise1_hard4": [*FULL, "optim.lr=1e-4", "sampling.noise_level=1.0",
                                  "prompts.family_weights={position: 4, color_attr: 4}"],
+    # every image of a group from the same initial noise (DanceGRPO): the group's reward differences
+    # then come only from the SDE steps the update trains, not from where each image started
+    "full_lr1e-4_shared_noise": [*FULL, "optim.lr=1e-4", "rollout.shared_noise=true"],
 }
 METRICS = ("eval/acc/images", "eval/partial", "eval/acc/overall")  # pass rate, partial credit, family mean
 

@@ -84,6 +84,10 @@ class RolloutConfig:
     group_size: int = 8  # images per prompt (G); advantages are computed within these groups
     sample_batch_size: int = 8  # samples per batched forward during rollouts
     overlap_rewards: bool = True  # score batch k in a worker thread while batch k+1 is sampled
+    # every image of a group starts from the same initial noise (DanceGRPO's init_same_noise), so
+    # that the rewards within a group differ only through the SDE steps the update trains; off:
+    # independent noise per image (the Flow-GRPO reference)
+    shared_noise: bool = False
 
     def validate(self) -> None:
         check(self.prompts_per_iteration >= 1, "rollout.prompts_per_iteration", "must be >= 1")

@@ -129,3 +129,25 @@ def test_stats_of_one_process_are_plain_means(accelerator):
 def test_eval_items_repeat_list_prompts():
     cfg = load_config(SD3, ["eval.num_prompts=1", "eval.samples_per_prompt=2"])
     assert eval_items(cfg, ["a cat", "a dog"]) == ["a cat", "a cat"]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_group_plan_shares_initial_noise_within_groups_when_asked(repo_root, tmp_path, shared):
+    """rollout.shared_noise: every image of a group starts from its group's noise, the groups'
+    noises differ, and the per-step SDE noise stays independent per image."""
+    from diffalign.recipes import build_trainer
+    from diffalign.training.groups import plan_group_rollout
+
+    cfg = load_config(str(repo_root / "configs/shapes/flow_grpo.yaml"), [
+        f"output_dir={tmp_path / 'run'}", "model.id=tiny:shapes", "log.progress_bar=false", "log.report=false",
+        "rollout.prompts_per_iteration=3", "rollout.group_size=4", f"rollout.shared_noise={str(shared).lower()}"])
+    trainer = build_trainer(cfg, overwrite=True)
+    trainer.setup()
+    plan = plan_group_rollout(trainer, 0)
+    noise = plan.noise.flatten(1)
+    assert noise.shape[0] == 12
+    same_in_group = [torch.equal(noise[i], noise[i - 1]) for i in range(1, 12) if i % 4]
+    assert all(same_in_group) if shared else not any(same_in_group)
+    assert not any(torch.equal(noise[g * 4], noise[h * 4]) for g in range(3) for h in range(g))
+    steps = plan.step_noise.flatten(2)
+    assert not any(torch.equal(steps[i], steps[i - 1]) for i in range(1, 12))

@@ -50,7 +50,10 @@ def plan_group_rollout(trainer, iteration: int, *, with_step_noise: bool = True)
     sde_mask = sde_window_mask(s.num_steps, s.window_size, mode=s.window_mode, start=s.window_start, iteration=iteration,
                                slide_every=s.window_slide_every, stride=s.window_stride, generator=trainer.generator)
     latent = trainer.adapter.latent_shape(trainer.resolution, trainer.resolution)
-    noise = torch.randn((n_global, *latent), generator=trainer.generator)[local]
+    if cfg.rollout.shared_noise:  # one initial noise per group, repeated for its images
+        noise = torch.randn((n_global // group, *latent), generator=trainer.generator).repeat_interleave(group, dim=0)[local]
+    else:
+        noise = torch.randn((n_global, *latent), generator=trainer.generator)[local]
     step_noise = torch.randn((n_global, s.num_steps, *latent), generator=trainer.generator)[local] if with_step_noise else None
     embeds = trainer.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
     schedule = trainer.adapter.make_schedule(s.num_steps, trainer.resolution, trainer.resolution)
