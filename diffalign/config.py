@@ -65,6 +65,10 @@ class SamplingConfig:
     window_start: int = 0  # first SDE step (fixed / initial position of the sliding window)
     window_slide_every: int = 1  # iterations between slides (sliding mode)
     window_stride: int = 1  # steps moved per slide; wraps to window_start past the end
+    # kernel=flow_grpo: SDE noise only on noise_pool x noise_pool block-constant images (the coarse
+    # part of white noise), its log-prob over the block coordinates; 1 = full-resolution noise
+    # (the reference). Needs image-shaped samples whose sides noise_pool divides.
+    noise_pool: int = 1
 
     def validate(self) -> None:
         check(self.num_steps >= 1, "sampling.num_steps", "must be >= 1")
@@ -76,6 +80,8 @@ class SamplingConfig:
                    f"must be in [0, num_steps - window_size = {self.num_steps - self.window_size}]")
         check(self.window_slide_every >= 1, "sampling.window_slide_every", "must be >= 1")
         check(self.window_stride >= 1, "sampling.window_stride", "must be >= 1")
+        check(self.noise_pool >= 1, "sampling.noise_pool", "must be >= 1")
+        check(self.noise_pool == 1 or self.kernel == "flow_grpo", "sampling.noise_pool", "needs sampling.kernel: flow_grpo")
 
 
 @dataclass

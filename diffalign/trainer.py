@@ -102,6 +102,7 @@ class Trainer:
         self.kernel = build_kernel(
             self.adapter, cfg.sampling.kernel, cfg.sampling.noise_level,
             std_schedule=cfg.sampling.std_schedule, reduction=getattr(cfg.algorithm, "logprob_reduction", "mean"),
+            noise_pool=cfg.sampling.noise_pool,
         )
         # Everything is validated and loaded: now the run directory may change.
         if self.accelerator.is_main_process:

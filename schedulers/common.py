@@ -129,6 +129,30 @@ def as_fp32(x: Optional[torch.Tensor], like: torch.Tensor, name: str) -> Optiona
     return x.float()
 
 
+def coarse(y: torch.Tensor, pool: int) -> torch.Tensor:
+    """Coordinates of ``y`` (B, C, H, W) in the orthonormal basis of ``pool x pool`` block-constant
+    images: block means times ``pool``. White noise maps to white noise of shape (B, C, H/pool,
+    W/pool). ``pool == 1`` returns ``y``."""
+    if pool == 1:
+        return y
+    return torch.nn.functional.avg_pool2d(y, pool) * pool
+
+
+def project_coarse(y: torch.Tensor, pool: int) -> torch.Tensor:
+    """Orthogonal projection of ``y`` (B, C, H, W) onto ``pool x pool`` block-constant images:
+    every block replaced by its mean. ``pool == 1`` returns ``y``."""
+    if pool == 1:
+        return y
+    return torch.nn.functional.interpolate(torch.nn.functional.avg_pool2d(y, pool), scale_factor=pool, mode="nearest")
+
+
+def check_pool(sample: torch.Tensor, pool: int) -> None:
+    if pool < 1:
+        raise ValueError(f"noise_pool must be >= 1, got {pool!r}")
+    if pool > 1 and (sample.ndim != 4 or sample.shape[-1] % pool or sample.shape[-2] % pool):
+        raise ValueError(f"noise_pool {pool} needs (B, C, H, W) samples with H and W divisible by it; got {tuple(sample.shape)}")
+
+
 def sample_or_score(
     mean: torch.Tensor,
     std: torch.Tensor,
@@ -136,6 +160,7 @@ def sample_or_score(
     noise: Optional[torch.Tensor],
     generator: Optional[torch.Generator],
     reduction: str,
+    pool: int = 1,
 ) -> StepOutput:
     """Finish a stochastic step: draw ``prev_sample = mean + std * eps`` unless it is given, then
     score it under ``N(mean, std^2)``.
@@ -144,11 +169,17 @@ def sample_or_score(
     so re-scoring with unchanged inputs gives a bit-identical ``log_prob`` (ratio exactly 1).
     Rows whose ``std`` is 0 (e.g. CPS at ``sigma_next = 0``) are point masses with no density:
     their ``log_prob`` is set to 0 (ratio 1, no gradient); do not train on such steps.
+
+    ``pool > 1`` (4-D samples): the noise is ``eps`` projected onto ``pool x pool`` block-constant
+    images (:func:`project_coarse`), a Gaussian on that subspace only; ``log_prob`` is the density
+    of the block coordinates (:func:`coarse`) of ``prev_sample`` around those of ``mean``, and the
+    component orthogonal to the subspace is treated as deterministic.
     """
+    check_pool(mean, pool)
     if prev_sample is None:
-        prev_sample = mean + std * draw_noise(mean, noise, generator)
+        prev_sample = mean + std * project_coarse(draw_noise(mean, noise, generator), pool)
     degenerate = std <= 0
     safe_std = torch.where(degenerate, torch.ones_like(std), std)
-    log_prob = gaussian_log_prob(prev_sample, mean, safe_std, reduction)
+    log_prob = gaussian_log_prob(coarse(prev_sample, pool), coarse(mean, pool), safe_std, reduction)
     log_prob = torch.where(degenerate.flatten(), torch.zeros_like(log_prob), log_prob)
     return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)

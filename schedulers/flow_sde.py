@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .common import Scalar, StepOutput, checked_fp32_inputs, per_sample, sample_or_score
+from .common import Scalar, StepOutput, check_pool, checked_fp32_inputs, per_sample, project_coarse, sample_or_score
 
 STD_SCHEDULES = ("cps", "stepwise")  # std rules of cps_sde_step
 
@@ -64,7 +64,7 @@ def flow_grpo_sde_step(
     model_output: torch.Tensor, sample: torch.Tensor, sigma: Scalar, sigma_next: Scalar, *,
     noise_level: float = 0.7, sigma_max: Optional[Scalar] = None,
     prev_sample: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
-    generator: Optional[torch.Generator] = None, reduction: str = "mean",
+    generator: Optional[torch.Generator] = None, reduction: str = "mean", noise_pool: int = 1,
 ) -> StepOutput:
     """Flow-GRPO's marginal-preserving SDE step (Liu et al. 2025, "Flow-GRPO"; kernel 1).
 
@@ -80,17 +80,30 @@ def flow_grpo_sde_step(
     ``sigma_max``, defaulting to ``sigma_next`` (= sigmas[1] on the first step of a schedule
     starting at 1). ``log_prob`` is the full Gaussian log-density reduced by ``reduction``,
     matching the reference code.
+
+    ``noise_pool = f > 1`` (images (B, C, H, W) with H, W divisible by f) keeps only the coarse part
+    of the noise: ``eps`` projected onto f x f block-constant images (``P eps``, the block means of
+    white noise), and, for the marginals to match the ODE's along those directions, the score
+    correction projected the same way: ``mean = x + [v + P(sigma_t^2 / (2 s) (x + (1 - s) v))] dt``
+    (an SDE whose diffusion matrix is ``sigma_t^2 P``). ``log_prob`` is the density of the
+    ``(H/f) x (W/f)`` block coordinates; the fine component is deterministic, like an ODE step's.
+    Exploration, and the policy gradient, then live in the directions where layout, count and
+    colour are decided, without the fine-pixel noise that only adds variance to the gradient.
     """
     v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample, noise_level, reduction)
+    check_pool(x, noise_pool)
     if noise_level == 0:
         return _euler(v, x, s, s_next, prev_sample)
     dt = s_next - s  # < 0
     s_max = s_next if sigma_max is None else per_sample(sigma_max, x, "sigma_max")
     std_t = noise_level * torch.sqrt(s / (1 - torch.where(s == 1, s_max, s)))  # sigma_t
-    # Same expression as the doc's mean, grouped by x and v as in Flow-GRPO's code.
-    mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+    if noise_pool == 1:
+        # Same expression as the doc's mean, grouped by x and v as in Flow-GRPO's code.
+        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
+    else:
+        mean = x + (v + project_coarse(std_t**2 / (2 * s) * (x + (1 - s) * v), noise_pool)) * dt
     std = std_t * torch.sqrt(-dt)
-    return sample_or_score(mean, std, prev_sample, noise, generator, reduction)
+    return sample_or_score(mean, std, prev_sample, noise, generator, reduction, pool=noise_pool)
 
 
 def cps_sde_step(

@@ -302,3 +302,59 @@ def test_bad_arguments_raise():
             step(v, reduction="median")
         with pytest.raises(ValueError, match=f"{noise} must be"):
             step(v, **{noise: -1.0})
+
+
+# ----------------------------------------------------------------------------- coarse (pooled) noise
+
+
+def _blocks(y, f):
+    """Block coordinates by hand: each f x f block's sum over f (the orthonormal block basis)."""
+    b, c, h, w = y.shape
+    return y.reshape(b, c, h // f, f, w // f, f).sum(dim=(3, 5)) / f
+
+
+def test_pooled_noise_is_block_constant_and_rescores_with_ratio_one():
+    x, v = _randn(*SHAPE, seed=1), _randn(*SHAPE, seed=2)
+    a, b = PER_SAMPLE["flow_grpo"]
+    out = flow_grpo_sde_step(v, x, a, b, noise_pool=2, generator=torch.Generator().manual_seed(0))
+    step = (out.prev_sample - out.mean) / out.std
+    blocks = step.reshape(3, 2, 2, 2, 2, 2)
+    assert torch.allclose(blocks, blocks[:, :, :, :1, :, :1].expand_as(blocks), atol=1e-6)  # constant per 2x2 block
+    rescored = flow_grpo_sde_step(v, x, a, b, noise_pool=2, prev_sample=out.prev_sample)
+    assert torch.equal(rescored.log_prob, out.log_prob)
+    # the density is over the block coordinates only
+    ref = torch.distributions.Normal(_blocks(out.mean, 2), out.std).log_prob(_blocks(out.prev_sample, 2)).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(out.log_prob, ref)
+    # zero noise: the stock Euler step, whatever the pooling
+    torch.testing.assert_close(flow_grpo_sde_step(v, x, a, b, noise_level=0.0, noise_pool=2).prev_sample, ode_step(v, x, a, b).prev_sample)
+
+
+def test_pooled_score_correction_acts_on_the_coarse_part_only():
+    a, b = 0.7, 0.5
+    coarse_x = _randn(3, 2, 2, 2, seed=1).repeat_interleave(2, -1).repeat_interleave(2, -2)  # block-constant
+    coarse_v = _randn(3, 2, 2, 2, seed=2).repeat_interleave(2, -1).repeat_interleave(2, -2)
+    full = flow_grpo_sde_step(coarse_v, coarse_x, a, b, generator=torch.Generator().manual_seed(0))
+    pooled = flow_grpo_sde_step(coarse_v, coarse_x, a, b, noise_pool=2, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(pooled.mean, full.mean)  # on block-constant inputs the projection is the identity
+    fine = torch.tensor([[1.0, -1.0], [-1.0, 1.0]]).repeat(2, 2).expand(*SHAPE)  # zero mean in every block
+    out = flow_grpo_sde_step(2 * fine, fine, a, b, noise_pool=2, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out.mean, ode_step(2 * fine, fine, a, b).mean)  # no correction on the fine part
+
+
+def test_pooled_noise_block_coordinates_are_standard_normal():
+    x = _randn(1, 1, 4, 4, seed=1).expand(N_MC, 1, 4, 4)
+    v = _randn(1, 1, 4, 4, seed=2).expand(N_MC, 1, 4, 4)
+    out = flow_grpo_sde_step(v, x, 0.7, 0.5, noise_pool=2, generator=torch.Generator().manual_seed(0))
+    z = _blocks((out.prev_sample - out.mean) / out.std, 2).reshape(N_MC, -1)
+    torch.testing.assert_close(z.mean(0), torch.zeros(4), atol=5 / math.sqrt(N_MC), rtol=0)
+    torch.testing.assert_close(z.std(0), torch.ones(4), atol=0, rtol=0.03)
+
+
+def test_pooled_noise_needs_divisible_image_shapes():
+    x = _randn(*SHAPE, seed=1)
+    with pytest.raises(ValueError, match="noise_pool 3"):
+        flow_grpo_sde_step(x, x, 0.7, 0.5, noise_pool=3)
+    with pytest.raises(ValueError, match="noise_pool 2"):
+        flow_grpo_sde_step(x[:, 0], x[:, 0], 0.7, 0.5, noise_pool=2)
+    with pytest.raises(ValueError, match="noise_pool must be >= 1"):
+        flow_grpo_sde_step(x, x, 0.7, 0.5, noise_pool=0)

@@ -19,7 +19,8 @@ def reference_kl(trainer, x: torch.Tensor, t: torch.Tensor, embeds, guidance_sca
     the same transition: ``rescore(reference_output)`` re-scores it under the reference's output."""
     with torch.no_grad(), trainer.reference_model(), trainer.autocast():
         ref_out = trainer.adapter.predict(x, t, embeds, guidance_scale)
-    return gaussian_mean_kl(step.mean, rescore(ref_out).mean, step.std)
+    coarse = trainer.kernel.coarse  # the coordinates the step's density is over
+    return gaussian_mean_kl(coarse(step.mean), coarse(rescore(ref_out).mean), step.std)
 
 
 def accumulate_clipped(trainer, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,

@@ -17,6 +17,7 @@ import time
 import torch
 
 from diffalign.config import FlowGRPOConfig
+from diffalign.errors import ConfigError
 from diffalign.recipes._clipped import accumulate_clipped, reference_kl
 from diffalign.recipes._grpo_guard import make_guard
 from diffalign.sampling import Trajectory
@@ -34,6 +35,9 @@ class FlowGRPOTrainer(Trainer):
         self.algo: FlowGRPOConfig = cfg.algorithm
         self.needs_reference = self.algo.beta > 0
         self._checked = False  # on-policy self-check done
+        if getattr(self.algo, "guard_active", False) and cfg.sampling.noise_pool != 1:
+            raise ConfigError("config key 'sampling.noise_pool' must be 1 with GRPO-Guard (its ratio normalisation assumes "
+                              "full-resolution noise)")
 
     # ---- rollout ----------------------------------------------------------------------------
     def rollout(self, iteration: int):

@@ -14,7 +14,7 @@ import torch
 import schedulers
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.errors import ConfigError
-from schedulers.common import StepOutput
+from schedulers.common import StepOutput, coarse as coarse_coordinates
 
 FLOW_KERNELS = ("flow_grpo", "cps", "dance")
 
@@ -28,6 +28,7 @@ class Kernel:
     noise_level: float  # a / eta of the kernel
     std_schedule: str = "cps"  # cps kernel only
     reduction: str = "mean"  # log-prob reduction over latent dims
+    noise_pool: int = 1  # flow_grpo only: SDE noise on pool x pool block-constant images (schedulers.flow_grpo_sde_step)
     alphas_cumprod: Optional[torch.Tensor] = None  # ddim only
     final_alpha_cumprod: Optional[torch.Tensor] = None  # ddim only
 
@@ -54,16 +55,24 @@ class Kernel:
             return schedulers.ode_step(model_output, x, t, t_next)
         common = dict(noise_level=self.noise_level, prev_sample=prev_sample, generator=generator, noise=noise, reduction=self.reduction)
         if self.name == "flow_grpo":
-            return schedulers.flow_grpo_sde_step(model_output, x, t, t_next, **common)
+            return schedulers.flow_grpo_sde_step(model_output, x, t, t_next, noise_pool=self.noise_pool, **common)
         if self.name == "cps":
             return schedulers.cps_sde_step(model_output, x, t, t_next, std_schedule=self.std_schedule, **common)
         if self.name == "dance":
             return schedulers.dance_sde_step(model_output, x, t, t_next, **common)
         raise ConfigError(f"config key 'sampling.kernel' is unknown: {self.name!r}")
 
+    def coarse(self, y: torch.Tensor) -> torch.Tensor:
+        """The coordinates a step's density is over: ``y`` itself, or its block coordinates
+        under ``noise_pool`` (what a KL between two steps' means must compare)."""
+        return coarse_coordinates(y, self.noise_pool)
 
-def build_kernel(adapter: ModelAdapter, name: str, noise_level: float, *, std_schedule: str = "cps", reduction: str = "mean") -> Kernel:
+
+def build_kernel(adapter: ModelAdapter, name: str, noise_level: float, *, std_schedule: str = "cps", reduction: str = "mean",
+                 noise_pool: int = 1) -> Kernel:
     """Check that the kernel fits the model's prediction type and bind what it needs."""
+    if noise_pool != 1 and name != "flow_grpo":
+        raise ConfigError(f"config key 'sampling.noise_pool' is {noise_pool}, but only the flow_grpo kernel supports it (kernel {name!r})")
     if adapter.prediction_type == "epsilon":
         if name != "ddim":
             raise ConfigError(
@@ -75,7 +84,7 @@ def build_kernel(adapter: ModelAdapter, name: str, noise_level: float, *, std_sc
         raise ConfigError(
             f"config key 'sampling.kernel' is {name!r}, but {adapter.family} is a flow model: use one of {', '.join(FLOW_KERNELS)}"
         )
-    return Kernel(name, noise_level, std_schedule=std_schedule, reduction=reduction)
+    return Kernel(name, noise_level, std_schedule=std_schedule, reduction=reduction, noise_pool=noise_pool)
 
 
 def sde_window_mask(
