@@ -74,6 +74,13 @@ VARIANTS: dict[str, list[str]] = {
     # decided, without the fine-pixel noise that adds variance but no signal to the policy gradient
     "full_lr1e-4_pool4": [*FULL, "optim.lr=1e-4", "sampling.noise_pool=4"],
     "full_lr1e-4_pool8": [*FULL, "optim.lr=1e-4", "sampling.noise_pool=8"],
+    # less SDE noise: rollouts closer to the ODE samples that evaluation draws, so that less of the
+    # update goes into coping with the exploration noise itself
+    "full_lr1e-4_noise0.4": [*FULL, "optim.lr=1e-4", "sampling.noise_level=0.4"],
+    "full_lr1e-4_noise0.2": [*FULL, "optim.lr=1e-4", "sampling.noise_level=0.2"],
+    # coefficients-preserving sampling (CPS, Flow-GRPO's `cps`): the step keeps x0_hat and x1_hat
+    # in the proportions of the marginal, so few-step SDE rollouts do not end with leftover noise
+    "full_lr1e-4_cps": [*FULL, "optim.lr=1e-4", "sampling.kernel=cps", "sampling.noise_level=0.8"],
     "full_lr1e-4_pool4_shared_noise": [*FULL, "optim.lr=1e-4", "sampling.noise_pool=4", "rollout.shared_noise=true"],
 }
 METRICS = ("eval/acc/images", "eval/partial", "eval/acc/overall")  # pass rate, partial credit, family mean
