@@ -87,8 +87,9 @@ def flow_grpo_sde_step(
     correction projected the same way: ``mean = x + [v + P(sigma_t^2 / (2 s) (x + (1 - s) v))] dt``
     (an SDE whose diffusion matrix is ``sigma_t^2 P``). ``log_prob`` is the density of the
     ``(H/f) x (W/f)`` block coordinates; the fine component is deterministic, like an ODE step's.
-    Exploration, and the policy gradient, then live in the directions where layout, count and
-    colour are decided, without the fine-pixel noise that only adds variance to the gradient.
+    The intent: keep exploration, and the policy gradient, in the directions where layout, count
+    and colour are decided, without fine-pixel noise that adds variance but no signal where the
+    reward reads only those (on the ShapesWorld main job it did not raise the gain; docs/flow_grpo.md).
     """
     v, x, s, s_next, prev_sample = _prepare(model_output, sample, sigma, sigma_next, prev_sample, noise_level, reduction)
     check_pool(x, noise_pool)
