@@ -88,6 +88,9 @@ VARIANTS: dict[str, list[str]] = {
     # weights evaluated as an exponential moving average (decay 0.95 per optimizer step, about the
     # last 10 iterations): averages out the noise of the last updates
     "full_lr1e-4_ema0.95": [*FULL, "optim.lr=1e-4", "train.ema.enabled=true", "train.ema.decay=0.95", "train.ema.every=1"],
+    # one optimizer step per iteration on all 64 samples (twice the samples per step, half the
+    # steps) at twice the rate: less of each Adam step is sign noise of a small batch
+    "full_lr2e-4_steps1": [*FULL, "optim.lr=2e-4", "train.optimizer_steps_per_iteration=1"],
     "full_lr1e-4_pool4_shared_noise": [*FULL, "optim.lr=1e-4", "sampling.noise_pool=4", "rollout.shared_noise=true"],
 }
 METRICS = ("eval/acc/images", "eval/partial", "eval/acc/overall")  # pass rate, partial credit, family mean
