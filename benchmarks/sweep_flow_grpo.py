@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # name -> overrides; the first is the config as shipped. Every other variant names its training
-# explicitly (LoRA or full fine-tuning) so that its stored result keeps its meaning when the
-# shipped config changes.
-LORA = ["lora.enabled=true", "lora.rank=16", "lora.alpha=32"]  # the first tuned main job's LoRA
-FULL = ["lora.enabled=false"]
+# explicitly (LoRA or full fine-tuning, uniform family draws unless it sets prompts.family_weights)
+# so that its stored result keeps its meaning when the shipped config changes.
+UNIFORM = ["prompts.family_weights={}"]  # every family equally often (the main job until the family-weighted sweep)
+LORA = ["lora.enabled=true", "lora.rank=16", "lora.alpha=32", *UNIFORM]  # the first tuned main job's LoRA
+FULL = ["lora.enabled=false", *UNIFORM]
 VARIANTS: dict[str, list[str]] = {
     "shipped": [],
     "lora_lr1e-4": [*LORA, "optim.lr=1e-4"],
