@@ -58,6 +58,7 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
 
         split = split_prompts()
         train, heldout = validation_split(split) if p.evaluate_on == "validation" else (split.train, split.evaluation())
+        families = {prompt_family(x) for x in train}
         if p.families:
             unknown = sorted(set(p.families) - {prompt_family(x) for x in train + heldout})
             if unknown:
@@ -71,10 +72,10 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
             by_family: dict[str, list[str]] = {}
             for x in train:
                 by_family.setdefault(prompt_family(x), []).append(x)
-            unknown = sorted(set(p.family_weights) - set(by_family))
+            unknown = sorted(set(p.family_weights) - families)  # weights of families left out by prompts.families go unused
             if unknown:
                 raise ConfigError(f"config key 'prompts.family_weights' names families without training prompts: "
-                                  f"{', '.join(unknown)} (known: {', '.join(by_family)})")
+                                  f"{', '.join(unknown)} (known: {', '.join(sorted(families))})")
             largest = max(len(v) for v in by_family.values())
             train = [v[i % len(v)] for f, v in by_family.items()
                      for i in range(max(1, round(largest * p.family_weights.get(f, 1))))]

@@ -175,6 +175,9 @@ def test_family_weights_set_each_familys_share_of_the_rollouts(tmp_path):
     assert counts == epoch
     with pytest.raises(ConfigError, match="prompts.family_weights.*known"):
         resolve_prompts(load_config(None, [*base, "prompts.family_weights={colour: 2}"]))
+    # the main config's weights leave a run restricted to other families as it was
+    only, _ = resolve_prompts(load_config(None, [*base, "prompts.family_weights={position: 4}", "prompts.families=[colors]"]))
+    assert {prompt_family(p) for p in only} == {"colors"}
     with pytest.raises(ConfigError, match="prompts.family_weights.position"):
         load_config(None, [*base, "prompts.family_weights={position: 0}"])
     with pytest.raises(ConfigError, match="balance_families"):
