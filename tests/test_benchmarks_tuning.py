@@ -39,6 +39,17 @@ def test_sweep_runs_each_variant_once_and_resumes(repo_root, tmp_path, capsys):
     assert again.count("done earlier") == 2
 
 
+def test_every_sweep_variant_is_a_valid_config(repo_root):
+    from diffalign.config_files import load_config
+
+    sweep = _load(repo_root, "sweep_flow_grpo")
+    for name, overrides in sweep.VARIANTS.items():
+        cfg = load_config(str(repo_root / "configs/shapes/flow_grpo.yaml"), overrides)
+        own_weights = [o for o in overrides if o.startswith("prompts.family_weights=") and o not in sweep.UNIFORM]
+        if name != "shipped" and not own_weights:  # named variants keep uniform draws whatever the config ships
+            assert cfg.prompts.family_weights == {}, name
+
+
 def test_iteration_speed_prints_the_ratio(repo_root, capsys):
     speed = _load(repo_root, "iteration_speed")
     assert speed.main(["--iterations", "1", *TINY, *BRIGHTNESS]) == 0
