@@ -71,8 +71,8 @@ VARIANTS: dict[str, list[str]] = {
     # every image of a group from the same initial noise (DanceGRPO): the group's reward differences
     # then come only from the SDE steps the update trains, not from where each image started
     "full_lr1e-4_shared_noise": [*FULL, "optim.lr=1e-4", "rollout.shared_noise=true"],
-    # SDE noise only on 4x4 (8x8) pixel blocks: exploration where layout, count and colour are
-    # decided, without the fine-pixel noise that adds variance but no signal to the policy gradient
+    # SDE noise only on 4x4 (8x8) pixel blocks: meant to keep exploration where layout, count and
+    # colour are decided and to drop fine-pixel noise from the policy gradient
     "full_lr1e-4_pool4": [*FULL, "optim.lr=1e-4", "sampling.noise_pool=4"],
     "full_lr1e-4_pool8": [*FULL, "optim.lr=1e-4", "sampling.noise_pool=8"],
     # less SDE noise: rollouts closer to the ODE samples that evaluation draws, so that less of the
