@@ -150,7 +150,8 @@ class PromptsConfig:
         check(bool(self.column), "prompts.column", "must not be empty")
         if self.family_weights:
             check(self.source == "shapes" and self.balance_families, "prompts.family_weights",
-                  "applies to prompts.source=shapes with prompts.balance_families=true")
+                  "applies to prompts.source=shapes with prompts.balance_families=true (for other draws set "
+                  "prompts.family_weights={} too)")
             for family, weight in self.family_weights.items():
                 check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight <= 100,
                       f"prompts.family_weights.{family}", f"must be a number in (0, 100], got {weight!r}")

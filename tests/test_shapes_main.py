@@ -151,7 +151,8 @@ def test_validation_mode_trains_and_evaluates_on_training_prompts_only(repo_root
     from diffalign.shapes import split_prompts, validation_split
     from diffalign.prompts import resolve_prompts
 
-    cfg = load_config(str(repo_root / MAIN), ["prompts.evaluate_on=validation", "prompts.balance_families=false"])
+    cfg = load_config(str(repo_root / MAIN), ["prompts.evaluate_on=validation", "prompts.balance_families=false",
+                                                  "prompts.family_weights={}"])
     train, evaluation = resolve_prompts(cfg)
     split = split_prompts()
     assert (sorted(train), sorted(evaluation)) == validation_split(split)
