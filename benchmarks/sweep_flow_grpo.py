@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 UNIFORM = ["prompts.family_weights={}"]  # every family equally often (the main job until the family-weighted sweep)
 LORA = ["lora.enabled=true", "lora.rank=16", "lora.alpha=32", *UNIFORM]  # the first tuned main job's LoRA
 FULL = ["lora.enabled=false", *UNIFORM]
+HARD = ["prompts.family_weights={position: 4, color_attr: 4, two_object: 2, counting: 2}"]
 VARIANTS: dict[str, list[str]] = {
     "shipped": [],
     "lora_lr1e-4": [*LORA, "optim.lr=1e-4"],
@@ -84,8 +85,7 @@ VARIANTS: dict[str, list[str]] = {
     "full_lr1e-4_cps": [*FULL, "optim.lr=1e-4", "sampling.kernel=cps", "sampling.noise_level=0.8"],
     # rollouts weighted toward the families the shipped model fails on (single objects and colours
     # are learned or at their ceiling within a few iterations, and their groups stop carrying signal)
-    "full_lr1e-4_hard_families": [*FULL, "optim.lr=1e-4",
-                                  "prompts.family_weights={position: 4, color_attr: 4, two_object: 2, counting: 2}"],
+    "full_lr1e-4_hard_families": [*FULL, "optim.lr=1e-4", *HARD],
     # weights evaluated as an exponential moving average (decay 0.95 per optimizer step, about the
     # last 10 iterations): averages out the noise of the last updates
     "full_lr1e-4_ema0.95": [*FULL, "optim.lr=1e-4", "train.ema.enabled=true", "train.ema.decay=0.95", "train.ema.every=1"],
@@ -93,6 +93,12 @@ VARIANTS: dict[str, list[str]] = {
     # steps) at twice the rate: less of each Adam step is sign noise of a small batch
     "full_lr2e-4_steps1": [*FULL, "optim.lr=2e-4", "train.optimizer_steps_per_iteration=1"],
     "full_lr1e-4_pool4_shared_noise": [*FULL, "optim.lr=1e-4", "sampling.noise_pool=4", "rollout.shared_noise=true"],
+    # on top of the family weights above (the main job's draws):
+    # advantages scaled by the std of the whole batch (the paper's default) instead of each group's:
+    # a group whose rewards barely differ no longer gets advantages as large as one that splits
+    "hard_families_global_std": [*FULL, "optim.lr=1e-4", *HARD, "algorithm.advantage_std=global"],
+    "hard_families_ema0.95": [*FULL, "optim.lr=1e-4", *HARD, "train.ema.enabled=true", "train.ema.decay=0.95",
+                              "train.ema.every=1"],
 }
 METRICS = ("eval/acc/images", "eval/partial", "eval/acc/overall")  # pass rate, partial credit, family mean
 
