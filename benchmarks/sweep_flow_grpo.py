@@ -99,6 +99,10 @@ VARIANTS: dict[str, list[str]] = {
     "hard_families_global_std": [*FULL, "optim.lr=1e-4", *HARD, "algorithm.advantage_std=global"],
     "hard_families_ema0.95": [*FULL, "optim.lr=1e-4", *HARD, "train.ema.enabled=true", "train.ema.decay=0.95",
                               "train.ema.every=1"],
+    # the update differentiates the guided output through both CFG branches: with CFG w the guided
+    # velocity is w c - (w - 1) u, so the gradient weighs the prompt-dependent part c - u by w - 1
+    # more than the detached branch does (costs the uncond backward)
+    "hard_families_uncond_grad": [*FULL, "optim.lr=1e-4", *HARD, "train.detach_uncond=false"],
 }
 METRICS = ("eval/acc/images", "eval/partial", "eval/acc/overall")  # pass rate, partial credit, family mean
 
