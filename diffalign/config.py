@@ -167,9 +167,18 @@ class OptimConfig:
     momentum: float = 0.0  # sgd: heavy-ball momentum; 0 = none
     grad_clip: float = 1.0  # max grad norm; 0 disables clipping
     use_8bit_adam: bool = False  # adamw: bitsandbytes AdamW8bit (GPU only)
+    # Learning rate over the run, set per iteration (a function of the iteration index, so a resumed
+    # run continues the same curve): constant | linear | cosine decay from ``lr`` after
+    # ``warmup_iterations`` of linear warm-up to ``lr * min_lr_fraction`` at ``max_iterations``.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_iterations: int = 0
+    min_lr_fraction: float = 0.0
 
     def validate(self) -> None:
         check(self.lr > 0, "optim.lr", "must be > 0")
+        check(self.lr_schedule in ("constant", "linear", "cosine"), "optim.lr_schedule", "must be constant, linear or cosine")
+        check(self.warmup_iterations >= 0, "optim.warmup_iterations", "must be >= 0")
+        check(0 <= self.min_lr_fraction <= 1, "optim.min_lr_fraction", "must be in [0, 1]")
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two numbers in [0, 1)")
         check(0 <= self.momentum < 1, "optim.momentum", "must be in [0, 1)")
         check(self.momentum == 0 or self.name == "sgd", "optim.momentum", "applies to optim.name=sgd only")

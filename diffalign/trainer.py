@@ -279,6 +279,17 @@ class Trainer:
         with self.stop_signals.installed():
             return self._train_loop()
 
+    def apply_lr_schedule(self, iteration: int) -> float | None:
+        """Set this iteration's learning rate from ``optim.lr_schedule`` / ``warmup_iterations``;
+        returns it, or None when the rate is constant (the optimizer is left untouched)."""
+        from diffalign.training.backend import lr_factor
+
+        opt = self.cfg.optim
+        if opt.lr_schedule == "constant" and opt.warmup_iterations == 0:
+            return None
+        factor = lr_factor(iteration, self.cfg.max_iterations, opt.lr_schedule, opt.warmup_iterations, opt.min_lr_fraction)
+        return self.backend.set_lr_factor(factor)
+
     def _train_loop(self) -> dict:
         from diffalign import progress
 
@@ -297,8 +308,11 @@ class Trainer:
             bar.update(self.start_iteration)
             for it in range(self.start_iteration, cfg.max_iterations):
                 t0 = time.perf_counter()
+                lr = self.apply_lr_schedule(it)
                 record = checkpoints.guarded_iteration(self, it)
                 record = {"iteration": it, **record, "seconds": time.perf_counter() - t0, **{k: v for k, v in self.stats.items()}}
+                if lr is not None:
+                    record["lr"] = lr
                 self.write_metrics(record)
                 bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}", loss=f"{record.get('loss', float('nan')):.4f}",
                                 refresh=False)

@@ -236,3 +236,51 @@ def test_nonfinite_loss_drops_the_step_counts_it_and_stops_after_the_limit(repo_
     with pytest.raises(NonFiniteError, match="3 consecutive optimizer steps had non-finite losses"):
         trainer.close_step(True)  # ... the third stops the run
     assert trainer.stats["skipped_steps"] == 4
+
+
+def test_lr_schedule_factors():
+    from diffalign.training.backend import lr_factor
+
+    assert [lr_factor(i, 5) for i in range(5)] == [1.0] * 5
+    assert [lr_factor(i, 5, "linear") for i in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert [lr_factor(i, 5, "linear", min_fraction=0.2) for i in range(5)] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+    assert [lr_factor(i, 3, "cosine") for i in range(3)] == pytest.approx([1.0, 0.5, 0.0])
+    # warm-up: i + 1 of warmup + 1, then the decay over the remaining iterations
+    assert [lr_factor(i, 6, "linear", warmup=2) for i in range(6)] == pytest.approx([1 / 3, 2 / 3, 1.0, 2 / 3, 1 / 3, 0.0])
+    assert [lr_factor(i, 4, "constant", warmup=1) for i in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_factor(0, 1, "cosine") == 1.0  # a one-iteration run trains at the full rate
+
+
+def test_lr_schedule_is_applied_and_survives_resume(repo_root, tmp_path):
+    """The rate is a function of the iteration: a run stopped after iteration 2 (SIGINT after its
+    second metrics line) and resumed follows the uninterrupted run's curve and weights exactly."""
+    import os
+    import subprocess
+    import sys
+
+    from diffalign import faults
+
+    common = ["max_iterations=4", "checkpoint.every=2", "optim.lr=1e-3", "optim.lr_schedule=linear",
+              "optim.min_lr_fraction=0.25", *FAST]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_cli(repo_root, "train", SD3, f"output_dir={full}", *common) == 0
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(repo_root),
+               **{faults.ENV: "sigint-after-write=4"})  # 1 config, 2 prompts, 3-4 the first two metrics lines
+    stopped = subprocess.run([sys.executable, "-m", "diffalign.cli", "train", SD3, f"output_dir={part}", *common],
+                             cwd=repo_root, env=env, capture_output=True, timeout=300)
+    assert stopped.returncode != 0
+    assert len([r for r in (part / "metrics.jsonl").read_text().splitlines() if r.strip()]) == 2
+    assert run_cli(repo_root, "resume", str(part)) == 0
+    for out in (full, part):
+        train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
+        assert [r["lr"] for r in train] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+    a, b = final_lora(full), final_lora(part)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_lr_schedule_bad_values_name_the_key(repo_root, tmp_path, capsys):
+    for arg, key in (("optim.lr_schedule=step", "optim.lr_schedule"), ("optim.min_lr_fraction=2", "optim.min_lr_fraction"),
+                     ("optim.warmup_iterations=-1", "optim.warmup_iterations")):
+        assert run_cli(repo_root, "train", SD3, arg, f"output_dir={tmp_path / 'r'}", *FAST) == 2
+        assert key in capsys.readouterr().err.strip().splitlines()[-1]

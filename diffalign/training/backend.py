@@ -35,6 +35,22 @@ def make_optimizer(params: list, opt) -> torch.optim.Optimizer:
     return optim_cls(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
 
 
+def lr_factor(iteration: int, total: int, schedule: str = "constant", warmup: int = 0, min_fraction: float = 0.0) -> float:
+    """Multiplier of ``optim.lr`` for (0-based) ``iteration`` of ``total``: a linear warm-up over the
+    first ``warmup`` iterations (iteration i gets (i + 1) / (warmup + 1)), then ``schedule`` from 1 down to
+    ``min_fraction``, reached by the last iteration (constant: 1 throughout)."""
+    if warmup > 0 and iteration < warmup:
+        return (iteration + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    span = total - 1 - warmup
+    progress = min(max((iteration - warmup) / span, 0.0), 1.0) if span > 0 else 0.0
+    shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule not in ("linear", "cosine"):
+        raise ValueError(f"unknown lr schedule {schedule!r}")
+    return min_fraction + (1.0 - min_fraction) * shape
+
+
 def allow_precision(mixed_precision: str) -> None:
     """accelerate keeps one precision per process. A single, unlaunched process may run trainers of
     different precisions in turn (benchmarks, tests): forget the earlier one's. A launched
@@ -144,6 +160,16 @@ class Backend:
         if self.sharded:
             self.backward(torch.nan_to_num(loss) * 0.0)
         return False
+
+    def set_lr_factor(self, factor: float) -> float:
+        """Scale every parameter group's learning rate to ``factor`` x its configured one (kept as
+        ``initial_lr``, as torch's schedulers do, so the factor never compounds); returns the first
+        group's new rate."""
+        groups = self.optimizer.param_groups
+        for group in groups:
+            group.setdefault("initial_lr", group["lr"])
+            group["lr"] = group["initial_lr"] * factor
+        return float(groups[0]["lr"])
 
     def close_step(self, poisoned: bool) -> tuple[float, bool]:
         """End one optimizer step's accumulation: every process learns whether any of them saw a
