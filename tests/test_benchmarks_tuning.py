@@ -230,3 +230,26 @@ def test_shapes_configs_runs_one_iteration_of_each(repo_root, tmp_path, capsys):
     assert [r["eval/num_images"] for r in rows if r.get("eval")] == [4]
     with pytest.raises(SystemExit, match="unknown"):
         configs.main(["--configs", "nope"])
+
+
+def test_training_curve_averages_windows_of_training_records(repo_root, tmp_path, capsys):
+    curve = _load(repo_root, "training_curve")
+    records = [{"iteration": 0, "eval": True, "eval/acc/images": 0.5}]
+    for it in range(5):
+        rec = {"iteration": it, "reward_mean": 0.1 * it, "zero_std_frac": 0.0, "reward/acc/images": 0.2 * it,
+               "reward/acc/overall": 0.2 * it}
+        if it % 2 == 0:  # the family is drawn in iterations 0, 2, 4 only
+            rec["reward/acc/position"] = 0.25 * it
+        records.append(rec)
+    rows = curve.windows(records, 2)
+    assert [(r["first"], r["last"]) for r in rows] == [(0, 1), (2, 3), (4, 4)]
+    assert rows[0]["reward"] == pytest.approx(0.05) and rows[1]["images"] == pytest.approx(0.5)
+    assert [r["families"]["position"] for r in rows] == pytest.approx([0.0, 0.5, 1.0])  # over the iterations that drew it
+    assert list(rows[0]["families"]) == ["position"]  # overall / images are not families
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert curve.main([str(tmp_path / "run"), "--window", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:3] == ["iterations", "reward", "pass"] and len(out) == 5
+    with pytest.raises(SystemExit, match="no such file"):
+        curve.main([str(tmp_path / "nope")])
