@@ -249,6 +249,8 @@ def test_lr_schedule_factors():
     assert [lr_factor(i, 6, "linear", warmup=2) for i in range(6)] == pytest.approx([1 / 3, 2 / 3, 1.0, 2 / 3, 1 / 3, 0.0])
     assert [lr_factor(i, 4, "constant", warmup=1) for i in range(4)] == [0.5, 1.0, 1.0, 1.0]
     assert lr_factor(0, 1, "cosine") == 1.0  # a one-iteration run trains at the full rate
+    with pytest.raises(ValueError, match="step"):
+        lr_factor(0, 4, "step")
 
 
 def test_lr_schedule_is_applied_and_survives_resume(repo_root, tmp_path):

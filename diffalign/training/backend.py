@@ -39,6 +39,8 @@ def lr_factor(iteration: int, total: int, schedule: str = "constant", warmup: in
     """Multiplier of ``optim.lr`` for (0-based) ``iteration`` of ``total``: a linear warm-up over the
     first ``warmup`` iterations (iteration i gets (i + 1) / (warmup + 1)), then ``schedule`` from 1 down to
     ``min_fraction``, reached by the last iteration (constant: 1 throughout)."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"unknown lr schedule {schedule!r}")
     if warmup > 0 and iteration < warmup:
         return (iteration + 1) / (warmup + 1)
     if schedule == "constant":
@@ -46,8 +48,6 @@ def lr_factor(iteration: int, total: int, schedule: str = "constant", warmup: in
     span = total - 1 - warmup
     progress = min(max((iteration - warmup) / span, 0.0), 1.0) if span > 0 else 0.0
     shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule not in ("linear", "cosine"):
-        raise ValueError(f"unknown lr schedule {schedule!r}")
     return min_fraction + (1.0 - min_fraction) * shape
 
 
