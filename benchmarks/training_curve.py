@@ -40,14 +40,18 @@ def windows(records: list[dict], window: int) -> list[dict]:
     return rows
 
 
+def _cell(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def format_rows(rows: list[dict]) -> str:
     families = list(rows[0]["families"]) if rows else []
     head = f"{'iterations':>12}  {'reward':>6}  {'pass':>5}  " + "  ".join(f"{f:>13}" for f in families) + "  zero-std"
     lines = [head]
     for r in rows:
-        cells = "  ".join(f"{'-' if v is None else f'{v:.2f}':>13}" for v in r["families"].values())
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        lines.append(f"{r['first']:>5} - {r['last']:<4}  {fmt(r['reward']):>6}  {fmt(r['images']):>5}  {cells}  {fmt(r['zero_std']):>8}")
+        cells = "  ".join(f"{_cell(v, 2):>13}" for v in r["families"].values())
+        lines.append(f"{r['first']:>5} - {r['last']:<4}  {_cell(r['reward'], 3):>6}  {_cell(r['images'], 3):>5}  {cells}"
+                     f"  {_cell(r['zero_std'], 3):>8}")
     return "\n".join(lines)
 
 
