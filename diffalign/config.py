@@ -176,7 +176,6 @@ class OptimConfig:
 
     def validate(self) -> None:
         check(self.lr > 0, "optim.lr", "must be > 0")
-        check(self.lr_schedule in ("constant", "linear", "cosine"), "optim.lr_schedule", "must be constant, linear or cosine")
         check(self.warmup_iterations >= 0, "optim.warmup_iterations", "must be >= 0")
         check(0 <= self.min_lr_fraction <= 1, "optim.min_lr_fraction", "must be in [0, 1]")
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "must be two numbers in [0, 1)")
