@@ -253,3 +253,30 @@ def test_training_curve_averages_windows_of_training_records(repo_root, tmp_path
     assert out[1].split()[:3] == ["iterations", "reward", "pass"] and len(out) == 5
     with pytest.raises(SystemExit, match="no such file"):
         curve.main([str(tmp_path / "nope")])
+
+
+def test_guidance_scales_pairs_every_scale_and_reuses_stored_evaluations(repo_root, tmp_path, capsys):
+    from diffalign.adapters import load_adapter
+    from diffalign.export import save_trained_weights
+
+    scales = _load(repo_root, "guidance_scales")
+    # A "run" whose final weights are the base model itself: every same-scale difference is exactly 0.
+    save_trained_weights(load_adapter("tiny:shapes"), tmp_path / "run" / "final", lora=False,
+                         metadata={"base_model": "tiny:shapes", "family": "shapes"})
+    argv = ["--model", "tiny:shapes", "--run", str(tmp_path / "run"), "--scales", "1,2", "--reference", "2",
+            "--images-per-family", "2", "--steps", "2", "--mixed-precision", "no", "--out", str(tmp_path / "out")]
+    assert scales.main(argv) == 0
+    first = capsys.readouterr().out
+    first = first[first.index("validation prompts"):]  # after any import-time log line
+    assert "paired against CFG 2" in first and "CFG 1 - CFG 2" in first
+    rows = [line.split() for line in first.splitlines() if line.startswith("CFG ")]
+    assert [r[:2] for r in rows] == [["CFG", "1"], ["CFG", "2"]]
+    assert all(r[2] == r[3] and r[4] == "+0.000" for r in rows)  # base == run at each scale, paired to 0
+    stored = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*.json"))
+    assert stored == ["base/cfg1.json", "base/cfg2.json", "run_1/cfg1.json", "run_1/cfg2.json"]
+    assert scales.main(argv) == 0  # the second time every evaluation is read back, with the same table
+    assert capsys.readouterr().out.endswith(first)
+    with pytest.raises(SystemExit, match="at least two"):
+        scales.main(["--scales", "4"])
+    with pytest.raises(SystemExit, match="validation or heldout"):
+        scales.evaluation_prompts_for("train")
