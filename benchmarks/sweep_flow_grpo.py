@@ -111,6 +111,21 @@ VARIANTS: dict[str, list[str]] = {
     # that decays to zero over the run keeps the early progress (optim.lr_schedule)
     "hard_families_cosine": [*FULL, "optim.lr=1e-4", *HARD, "optim.lr_schedule=cosine"],
     "hard_families_lr2e-4_cosine": [*FULL, "optim.lr=2e-4", *HARD, "optim.lr_schedule=cosine"],
+    # CFG 4 over-guides the shipped model (benchmarks/guidance_scales.py: 1.5-2 is its best scale on
+    # validation prompts): the same recipe sampling, training and evaluating at a lower scale
+    "hard_families_cfg2": [*FULL, "optim.lr=1e-4", *HARD, "sampling.guidance_scale=2.0"],
+    "hard_families_cfg1": [*FULL, "optim.lr=1e-4", *HARD, "sampling.guidance_scale=1.0"],
+    # at CFG 2: which blob becomes which shape is settled below the first steps' noise levels, so
+    # SDE noise (and training) on every step, 4 random trained steps per sample (the same update
+    # cost), or a window over steps 3-6
+    "hard_families_cfg2_window10": [*FULL, "optim.lr=1e-4", *HARD, "sampling.guidance_scale=2.0", "sampling.window_size=10",
+                                    "algorithm.train_timestep_fraction=0.4", "algorithm.timestep_selection=random"],
+    "hard_families_cfg2_window_start3": [*FULL, "optim.lr=1e-4", *HARD, "sampling.guidance_scale=2.0",
+                                         "sampling.window_start=3"],
+    # at CFG 2 the main job's held-out colours and colour attribution fall in some seeds: a KL
+    # penalty toward the shipped model, or every family drawn equally often
+    "hard_families_cfg2_kl0.01": [*FULL, "optim.lr=1e-4", *HARD, "sampling.guidance_scale=2.0", "algorithm.beta=0.01"],
+    "uniform_cfg2": [*FULL, "optim.lr=1e-4", "sampling.guidance_scale=2.0"],
 }
 METRICS = ("eval/acc/images", "eval/partial", "eval/acc/overall")  # pass rate, partial credit, family mean
 
