@@ -280,3 +280,34 @@ def test_guidance_scales_pairs_every_scale_and_reuses_stored_evaluations(repo_ro
         scales.main(["--scales", "4"])
     with pytest.raises(SystemExit, match="validation or heldout"):
         scales.evaluation_prompts_for("train")
+
+
+def test_pass_at_k_hand_computed_cases_and_table(repo_root, tmp_path, capsys):
+    pak = _load(repo_root, "pass_at_k")
+    assert pak.pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pak.pass_at_k(4, 1, 1) == pytest.approx(0.25) and pak.pass_at_k(3, 0, 3) == 0.0 and pak.pass_at_k(3, 3, 1) == 1.0
+    assert pak.pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # C(3,3)/C(5,3)
+    with pytest.raises(ValueError):
+        pak.pass_at_k(2, 1, 3)
+    rec = lambda prompt, family, passed: {"prompt": prompt, "family": family, "passed": passed, "score": float(passed)}
+    records = ([rec("a", "position", p) for p in (True, False, False, False)] + [rec("b", "position", False)] * 2
+               + [rec("c", "colors", True)] * 3)
+    table = pak.family_table(records, [1, 2, 3])
+    assert table["position"]["min_images"] == 2 and "pass@3" not in table["position"]  # prompt b has 2 images
+    assert table["position"]["pass@1"] == pytest.approx((0.25 + 0.0) / 2)  # prompts weighted equally
+    assert table["position"]["pass@2"] == pytest.approx((0.5 + 0.0) / 2)
+    assert table["colors"]["pass@3"] == 1.0
+    run = tmp_path / "run"
+    (run / "eval_records").mkdir(parents=True)
+    for it in (0, 8):
+        (run / "eval_records" / f"iter-{it:06d}.json").write_text(json.dumps({"iteration": it, "heldout": {"records": records}}))
+    assert pak.main([str(run), "--iteration", "0", "--k", "1,2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "iteration 0, 9 images" in out[0]
+    rows = {line.split()[0]: line.split() for line in out[2:]}
+    assert rows["position"][-2:] == ["0.125", "0.250"] and rows["colors"][-2:] == ["1.000", "1.000"]
+    assert out[-1].split()[-2:] == ["0.562", "0.625"]  # mean of the two families
+    with pytest.raises(SystemExit, match="no evaluation at iteration 4"):
+        pak.main([str(run), "--iteration", "4"])
+    with pytest.raises(SystemExit, match="no 'probe' records"):
+        pak.main([str(run), "--split", "probe"])
