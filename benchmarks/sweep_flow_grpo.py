@@ -126,6 +126,11 @@ VARIANTS: dict[str, list[str]] = {
     # penalty toward the shipped model, or every family drawn equally often
     "hard_families_cfg2_kl0.01": [*FULL, "optim.lr=1e-4", *HARD, "sampling.guidance_scale=2.0", "algorithm.beta=0.01"],
     "uniform_cfg2": [*FULL, "optim.lr=1e-4", "sampling.guidance_scale=2.0"],
+    # the CFG-2 recipe with another training seed (how much do one-seed validation gains vary?), and
+    # with twice the prompts per iteration in groups of 4 (more prompts seen, for held-out prompts)
+    "hard_families_cfg2_seed1": [*FULL, "optim.lr=1e-4", *HARD, "sampling.guidance_scale=2.0", "seed=1"],
+    "hard_families_cfg2_16x4": [*FULL, "optim.lr=1e-4", *HARD, "sampling.guidance_scale=2.0",
+                                "rollout.prompts_per_iteration=16", "rollout.group_size=4"],
 }
 METRICS = ("eval/acc/images", "eval/partial", "eval/acc/overall")  # pass rate, partial credit, family mean
 

@@ -30,7 +30,7 @@ from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
 # The pretrained model shipped inside the package (a few MB of safetensors).
 SHIPPED_MODEL_DIR = str(Path(__file__).resolve().parent.parent / "assets" / "shapes-t2i")
 
-DEFAULT_GUIDANCE_SCALE = 4.0  # CFG scale used for the shipped model's reported accuracy
+DEFAULT_GUIDANCE_SCALE = 4.0  # CFG scale of the shipped model's reported accuracy; not its best (benchmarks/guidance_scales.py)
 
 
 class ShapesPipeline(DiffusionPipeline, StableDiffusionLoraLoaderMixin):
