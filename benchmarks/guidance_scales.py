@@ -7,8 +7,9 @@ by image. Prints
 
 - the base model at every scale, paired against ``--reference`` (the scale the main job uses);
 - for each run, its pass rate at every scale, paired against the base at the same scale and
-  against the base at the base's best scale on these prompts (chosen on the prompts evaluated,
-  so an optimistic baseline; choose on ``--prompts validation`` before quoting held-out numbers).
+  against the base at the base's best scale on these prompts (ties: the lower scale; chosen on the
+  prompts evaluated, so an optimistic baseline; choose on ``--prompts validation`` before quoting
+  held-out numbers).
 
 Results are stored per model and scale under ``--out`` and reused when present (an interrupted
 run resumes).
