@@ -25,7 +25,7 @@ def main(argv=None) -> int:
 
     from diffalign.adapters import load_adapter
     from diffalign.evaluation import LEGEND, comparison_columns, eval_autocast_dtype, evaluate_shapes, format_table
-    from diffalign.shapes import split_prompts, validation_split
+    from diffalign.shapes import prompt_set
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", default="10,20", help="comma-separated ODE step counts; the largest is the reference")
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--steps: at least two positive step counts, got {args.steps!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    _, validation = validation_split(split_prompts())
+    validation = prompt_set("validation")
     adapter = load_adapter(args.model)
     dtype = eval_autocast_dtype(args.mixed_precision, adapter.device.type)
     evaluations = {}

@@ -45,17 +45,6 @@ def scale_name(scale: float) -> str:
     return f"CFG {scale:g}"
 
 
-def evaluation_prompts_for(which: str) -> list[str]:
-    from diffalign.shapes import split_prompts, validation_split
-
-    split = split_prompts()
-    if which == "validation":
-        return validation_split(split)[1]
-    if which == "heldout":
-        return split.evaluation()
-    raise SystemExit(f"--prompts: validation or heldout, got {which!r}")
-
-
 def cached_evaluation(path: Path, compute):
     """The :class:`~diffalign.evaluation.Evaluation` stored at ``path``, or ``compute()`` stored there."""
     from diffalign.evaluation import Evaluation
@@ -77,6 +66,7 @@ def main(argv=None) -> int:
     from diffalign.adapters import load_adapter
     from diffalign.evaluation import LEGEND, comparison_columns, eval_autocast_dtype, evaluate_shapes, format_table
     from diffalign.export import load_trained_adapter
+    from diffalign.shapes import prompt_set
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scales", default="1,2,4", help="comma-separated CFG scales (1 = no guidance)")
@@ -94,7 +84,9 @@ def main(argv=None) -> int:
     scales = parse_scales(args.scales)
     if args.reference not in scales:
         scales = sorted({*scales, args.reference})
-    prompts = evaluation_prompts_for(args.prompts)
+    if args.prompts not in ("validation", "heldout"):
+        raise SystemExit(f"--prompts: validation or heldout, got {args.prompts!r}")
+    prompts = prompt_set(args.prompts)
     out = Path(args.out) if args.out else None
     models = {"base": lambda: load_adapter(args.model)}
     for i, run in enumerate(args.run):

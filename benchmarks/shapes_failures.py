@@ -46,14 +46,13 @@ OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "bel
 
 
 def prompt_set(name: str) -> list[str]:
-    from diffalign.shapes import split_prompts, validation_split
+    """:func:`diffalign.shapes.prompt_set`, with an unknown name as a ``--prompts`` usage error."""
+    from diffalign.shapes import PromptError, prompt_set as named_set
 
-    split = split_prompts()
-    sets = {"heldout": split.evaluation, "validation": lambda: validation_split(split)[1],
-            "train": lambda: split.train, "probe": lambda: split.probe}
-    if name not in sets:
-        raise SystemExit(f"--prompts: unknown {name!r}; known: {', '.join(sets)}")
-    return list(sets[name]())
+    try:
+        return named_set(name)
+    except PromptError as exc:
+        raise SystemExit(f"--prompts: {exc}") from None
 
 
 def failure_category(record: dict) -> str | None:

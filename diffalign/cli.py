@@ -160,12 +160,9 @@ EVAL_PROMPT_SETS = {
 def _eval_prompt_set(args) -> tuple[list[str], str]:
     """(distinct prompts, description) for --prompts."""
     if args.prompts in EVAL_PROMPT_SETS:
-        from diffalign.shapes import split_prompts, validation_split
+        from diffalign.shapes import prompt_set
 
-        split = split_prompts()
-        prompts = {"heldout": split.evaluation, "probe": lambda: split.probe, "train": lambda: split.train,
-                   "validation": lambda: validation_split(split)[1]}[args.prompts]()
-        return list(prompts), EVAL_PROMPT_SETS[args.prompts]
+        return prompt_set(args.prompts), EVAL_PROMPT_SETS[args.prompts]
     f = Path(args.prompts)
     if not f.is_file():
         raise DiffalignError(f"--prompts: {args.prompts!r} is neither {'/'.join(EVAL_PROMPT_SETS)} nor a prompt file")

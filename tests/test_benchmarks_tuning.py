@@ -279,7 +279,7 @@ def test_guidance_scales_pairs_every_scale_and_reuses_stored_evaluations(repo_ro
     with pytest.raises(SystemExit, match="at least two"):
         scales.main(["--scales", "4"])
     with pytest.raises(SystemExit, match="validation or heldout"):
-        scales.evaluation_prompts_for("train")
+        scales.main(["--prompts", "train"])
 
 
 def test_pass_at_k_hand_computed_cases_and_table(repo_root, tmp_path, capsys):

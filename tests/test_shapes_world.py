@@ -219,3 +219,14 @@ def test_validation_split_tunes_without_touching_heldout_or_probe():
         assert (p in fit) == (prompt_family(p) in IN_DISTRIBUTION_FAMILIES), p
     counts = {f: sum(prompt_family(p) == f for p in validation if p not in fit) for f in FAMILIES}
     assert counts == {f: VALIDATION_COUNTS.get(f, 0) for f in FAMILIES}
+
+
+def test_named_prompt_sets_are_the_splits_lists():
+    from diffalign.shapes import PROMPT_SETS, PromptError, prompt_set, split_prompts, validation_split
+
+    split = split_prompts()
+    assert prompt_set("heldout") == split.evaluation() and prompt_set("probe") == split.probe
+    assert prompt_set("train") == split.train and prompt_set("validation") == validation_split(split)[1]
+    assert set(PROMPT_SETS) == {"heldout", "validation", "train", "probe"}
+    with pytest.raises(PromptError, match=r"unknown 'fit' \(prompt sets: heldout"):
+        prompt_set("fit")

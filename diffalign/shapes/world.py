@@ -52,11 +52,13 @@ __all__ = [
     "PromptError",
     "PromptSpec",
     "PromptSplit",
+    "PROMPT_SETS",
     "all_prompts",
     "evaluation_prompts",
     "parse_prompt",
     "prompt_atoms",
     "prompt_family",
+    "prompt_set",
     "scale_for",
     "split_prompts",
     "validation_split",
@@ -397,6 +399,23 @@ def validation_split(split: PromptSplit, seed: int = 1) -> tuple[list[str], list
         raise RuntimeError("no validation split keeps every validation prompt's atoms in the fit prompts")
     in_dist = [p for p in fit if prompt_family(p) in IN_DISTRIBUTION_FAMILIES]
     return sorted(fit), sorted(validation + in_dist)
+
+
+PROMPT_SETS: tuple[str, ...] = ("heldout", "validation", "train", "probe")
+
+
+def prompt_set(name: str, split: PromptSplit | None = None) -> list[str]:
+    """The distinct prompts of a named set of ``split`` (default :func:`split_prompts`): ``heldout``
+    (the headline evaluation, :meth:`PromptSplit.evaluation`), ``validation`` (:func:`validation_split`),
+    ``train`` or ``probe``."""
+    if name not in PROMPT_SETS:
+        raise PromptError(f"unknown {name!r} (prompt sets: {', '.join(PROMPT_SETS)})")
+    split = split or split_prompts()
+    if name == "heldout":
+        return split.evaluation()
+    if name == "validation":
+        return validation_split(split)[1]
+    return list(split.train if name == "train" else split.probe)
 
 
 def evaluation_prompts(prompts: Sequence[str], images_per_family: int = 96) -> list[str]:
