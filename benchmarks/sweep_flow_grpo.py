@@ -131,6 +131,11 @@ VARIANTS: dict[str, list[str]] = {
     "hard_families_cfg2_seed1": [*FULL, "optim.lr=1e-4", *HARD, "sampling.guidance_scale=2.0", "seed=1"],
     "hard_families_cfg2_16x4": [*FULL, "optim.lr=1e-4", *HARD, "sampling.guidance_scale=2.0",
                                 "rollout.prompts_per_iteration=16", "rollout.group_size=4"],
+    # partial credit pays 0.8 for colour attribution with both objects in one colour and 0.6 for
+    # swapped colours: after the main job, training prompts show fewer swaps, more one-colour
+    # images and fewer passes. Pass/fail, and partial credit with a step of 0.5 for passing.
+    "hard_families_passfail": [*FULL, "optim.lr=1e-4", *HARD, "reward.kwargs.partial_credit=false"],
+    "hard_families_pass_weight0.5": [*FULL, "optim.lr=1e-4", *HARD, "reward.kwargs.pass_weight=0.5"],
 }
 METRICS = ("eval/acc/images", "eval/partial", "eval/acc/overall")  # pass rate, partial credit, family mean
 

@@ -22,7 +22,12 @@ the stray-pixel and unexplained-component gates, is the reward-hacking guard: a 
 accepted "at least one matching object" paid 36-46 % to noisy fragment images.
 
 ``partial_credit=True`` returns the fraction of requirements met (denser signal for RL), but an
-image that fails a gate (stray pixels, unexplained components) still gets 0.
+image that fails a gate (stray pixels, unexplained components) still gets 0. With partial credit
+an image that draws both objects of "a red circle and a blue square" in one colour meets 4 of 5
+requirements and scores 0.8, one with the colours swapped 0.6: a policy can raise the reward by
+trading swaps for one-colour images without passing more often. ``pass_weight=w`` (with
+``partial_credit=True``) returns ``(1 - w) * fraction + w * passed`` instead: the dense signal, with
+a step of ``w`` between "almost" and "right"; ``w = 1`` is pass/fail, ``w = 0`` plain partial credit.
 """
 
 from __future__ import annotations
@@ -192,7 +197,8 @@ def _judge(found: dict, spec: PromptSpec, image_pixels: int) -> tuple[bool, floa
 @register("shapes_eval")
 class ShapesEval:
     """Verifiable reward for the shapes world: 1 if the image shows exactly what the prompt asks
-    for, else 0 (or the fraction of requirements met with ``partial_credit=True``).
+    for, else 0 (or the fraction of requirements met with ``partial_credit=True``, mixed with
+    pass/fail by ``pass_weight``; see the module docstring).
 
     Call: ``(images (B, 3, H, W) in [0, 1], prompts [B], metadata [B] | None) -> float32 (B,)`` on
     the CPU. After each call ``last_info`` holds ``acc/<family>`` (share of images that pass, for
@@ -200,8 +206,14 @@ class ShapesEval:
     ``acc/images`` (the share of all images that pass).
     """
 
-    def __init__(self, partial_credit: bool = False, size: int | None = None, device: str | torch.device = "cpu"):
+    def __init__(self, partial_credit: bool = False, size: int | None = None, device: str | torch.device = "cpu",
+                 pass_weight: float = 0.0):
         self.partial_credit = bool(partial_credit)
+        if isinstance(pass_weight, bool) or not isinstance(pass_weight, (int, float)) or not 0.0 <= pass_weight <= 1.0:
+            raise RewardError(f"shapes_eval: pass_weight must be a number in [0, 1], got {pass_weight!r}")
+        if pass_weight and not self.partial_credit:
+            raise RewardError("shapes_eval: pass_weight mixes partial credit with pass/fail; it needs partial_credit=true")
+        self.pass_weight = float(pass_weight)
         self.size = size  # if set, images must be size x size
         self.device = torch.device(device)  # classical vision on the CPU; kept for the protocol
         self.last_info: dict[str, float] = {}
@@ -248,8 +260,12 @@ class ShapesEval:
         if metadata is not None and len(metadata) != len(prompts):
             raise RewardError(f"shapes_eval: got {len(metadata)} metadata dicts for {len(prompts)} prompts")
         results = self.evaluate(images, prompts)
-        key = "score" if self.partial_credit else "passed"
-        rewards = torch.tensor([float(r[key]) for r in results], dtype=torch.float32)
+        if self.partial_credit:
+            w = self.pass_weight
+            values = [(1.0 - w) * r["score"] + w * float(r["passed"]) for r in results]
+        else:
+            values = [float(r["passed"]) for r in results]
+        rewards = torch.tensor(values, dtype=torch.float32)
         info: dict[str, float] = {}
         for family in FAMILIES:
             passed = [r["passed"] for r in results if r["family"] == family]

@@ -77,7 +77,17 @@ def test_rollout_vs_pipeline_runs_the_same_forwards(repo_root, capsys):
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["sd3"], ["flux"], ["sd15"])]
     assert [r[0] for r in rows] == ["sd3", "flux", "sd15"]
     assert all(r[2] == "2" for r in rows)  # 2 steps = 2 forwards on both sides (checked by the hook)
-    assert "worst wall ratio" in out
+    assert "worst paired ratio" in out
+
+
+def test_rollout_vs_pipeline_median_interval(repo_root):
+    bench = _load_rollout_vs_pipeline(repo_root)
+    assert bench.median_interval([1.02] * 9) == pytest.approx((1.02, 1.02))
+    values = [0.90, 0.95, 0.98, 1.00, 1.01, 1.02, 1.05, 1.10, 1.40]
+    lo, hi = bench.median_interval(values)
+    assert min(values) <= lo <= 1.01 <= hi <= max(values)  # around the median, within the data
+    assert lo < hi and hi < 1.40  # one slow outlier does not reach the median's interval
+    assert bench.median_interval(values) == (lo, hi)  # a fixed seed: the same values, the same interval
 
 
 def test_rollout_vs_pipeline_stops_on_different_forwards(repo_root):

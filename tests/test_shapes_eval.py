@@ -199,3 +199,28 @@ def test_bad_input(reward):
     with pytest.raises(RewardError, match=r"\[0, 1\]"):
         reward(images + 2.0, ["a photo of a circle"] * 2, None)
     assert reward(images, ["a photo of a circle"] * 2, None).tolist() == [0.0, 0.0]  # empty image
+
+
+def test_pass_weight_mixes_partial_credit_with_pass_fail():
+    prompt = "a photo of a red circle and a blue square"
+    scene = sample_scene(parse_prompt(prompt), np.random.default_rng(3))
+    colours = {o.shape: o.color for o in scene}
+    assert colours == {"circle": "red", "square": "blue"}
+    swapped = [replace(o, color=colours["square" if o.shape == "circle" else "circle"]) for o in scene]
+    images = torch.from_numpy(np.stack([render(scene), render(swapped)]))
+    # 5 requirements (two counts, two colours, nothing extra); the swap misses both colours
+    expected = {0.0: [1.0, 0.6], 0.5: [1.0, 0.3], 1.0: [1.0, 0.0]}
+    for w, values in expected.items():
+        fn = reward_models.build("shapes_eval", partial_credit=True, pass_weight=w)
+        assert fn(images, [prompt] * 2, None).tolist() == pytest.approx(values), w
+    assert ShapesEval()(images, [prompt] * 2, None).tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"partial_credit": True, "pass_weight": 1.5}, "pass_weight must be a number in"),
+    ({"partial_credit": True, "pass_weight": "half"}, "pass_weight must be a number in"),
+    ({"pass_weight": 0.5}, "needs partial_credit=true"),
+])
+def test_pass_weight_is_checked(kwargs, match):
+    with pytest.raises(RewardError, match=match):
+        ShapesEval(**kwargs)
