@@ -188,11 +188,11 @@ def median_interval(values: list[float], level: float = 0.95, resamples: int = 2
     replacement, a fixed seed: the same values give the same interval)."""
     import numpy as np
 
+    from diffalign.stats import percentile_interval
+
     data = np.asarray(values, dtype=np.float64)
     draws = np.random.default_rng(seed).integers(0, len(data), size=(resamples, len(data)))
-    medians = np.median(data[draws], axis=1)
-    tail = (1 - level) / 2 * 100
-    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+    return percentile_interval(np.median(data[draws], axis=1), level)
 
 
 def profile(sides: Sides, repeats: int) -> str:
