@@ -404,3 +404,15 @@ def test_sample_cli(repo_root, tmp_path, drm_dir, capsys):
                         (["--branches", "3"], "needs --drm"), (["--branches", "2", "--drm", str(tmp_path)], "not a DRM folder")):
         assert run_cli(repo_root, *common, "--out", str(tmp_path / "bad"), *bad) == 2
         assert needle in one_error_line(capsys)
+
+
+def test_sample_prompts_outside_the_shapes_grammar_are_warned_about_or_refused():
+    from diffalign.drm.sampling import check_shapes_prompts
+
+    lines = []
+    check_shapes_prompts(["a photo of a red circle", "a photo of two squares"], scored=True, log=lines.append)
+    assert lines == []  # grammar prompts pass silently
+    check_shapes_prompts(["a red circle", "a photo of a cat", "a red circle"], scored=False, log=lines.append)
+    assert len(lines) == 1 and lines[0].startswith("warning: prompt 'a red circle'") and "(and 1 more)" in lines[0]
+    with pytest.raises(ConfigError, match="ShapesEval scores prompts of the shapes grammar only"):
+        check_shapes_prompts(["a photo of a cat"], scored=True, log=lines.append)

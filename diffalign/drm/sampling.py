@@ -24,6 +24,7 @@ import torch
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.errors import ConfigError, DiffalignError
 from diffalign.sampling import Kernel, build_kernel, draw_noise
+from diffalign.shapes.world import PromptError, parse_prompt
 
 MAX_BRANCHES = 64  # k: more candidates than this buys nothing a best-of-n cannot
 Scorer = Callable[[torch.Tensor, torch.Tensor, Sequence[str]], torch.Tensor]  # (latents, t (B,), prompts) -> (B,)
@@ -150,6 +151,25 @@ def check_sample_out(out: Path) -> None:
                                  f"{', ...' if len(foreign) > 3 else ''}); choose a new folder")
 
 
+def check_shapes_prompts(prompts: list[str], *, scored: bool, log: Callable[[str], None]) -> None:
+    """The shapes model learned ShapesWorld's prompt grammar only ("a photo of a red circle"): a
+    prompt outside it is refused when ShapesEval is to score it (it could not), else warned about
+    once, naming the first such prompt and why it does not parse."""
+    outside = []
+    for prompt in dict.fromkeys(prompts):
+        try:
+            parse_prompt(prompt)
+        except PromptError as exc:
+            outside.append((prompt, exc))
+    if not outside:
+        return
+    prompt, exc = outside[0]
+    more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+    if scored:
+        raise ConfigError(f"--prompt: {exc}{more}; ShapesEval scores prompts of the shapes grammar only")
+    log(f"warning: {exc}{more}; the shapes model was trained on that grammar only, so its images for it mean little")
+
+
 def run_sample(
     *,
     model: str,
@@ -183,6 +203,8 @@ def run_sample(
         raise DiffalignError("no prompts to sample")
     drm = reward_models.build("drm", path=drm_path, device=device) if drm_path else None  # bad folders fail before any model loads
     adapter = load_model(model, device)
+    if adapter.family == "shapes":
+        check_shapes_prompts(prompts, scored=reward == "shapes_eval", log=log)
     res = resolution or adapter.default_resolution
     scorer_fn = None
     if drm is not None:
