@@ -180,10 +180,8 @@ def latest_run(root: Path = RUNS_DIR) -> Path:
     """The run under ``root`` whose ``final/`` was written last."""
     finals = sorted(root.glob("*/final/diffalign.json"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
     if not finals:
-        configs = sorted(Path("configs/shapes").glob("*.yaml"))
-        config = configs[0] if configs else "CONFIG.yaml"
-        raise RunDirError(f"no run with final weights under {root}/; train one with `diffalign train {config}` "
-                          "or pass --aligned RUN_DIR")
+        raise RunDirError(f"no run with final weights under {root}/; train one with `diffalign train shapes/flow_grpo` "
+                          "(`diffalign recipes` lists the others) or pass --aligned RUN_DIR")
     return finals[-1].parent.parent
 
 
@@ -239,7 +237,14 @@ def run_from_args(args) -> int:
               f"without a login; add --auth USER:PASS", file=sys.stderr)
     reward_names = [r.strip() for r in args.rewards.split(",") if r.strip()] if args.rewards else None
     app = app_from_run(args.aligned, args.base, reward_names, device=args.device)
-    app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, **({"auth": auth} if auth else {}))
+    # quiet: gradio's own start-up lines would tell the user to set share=True in launch(); say it
+    # in this command's terms instead (the public URL, when --share asks for one, prints regardless)
+    app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, quiet=True,
+                       prevent_thread_lock=True, **({"auth": auth} if auth else {}))
+    print(f"* Running on local URL:  {app.local_url}", flush=True)
+    if not args.share:
+        print("* To create a public link, add --share (with --auth USER:PASS)", flush=True)
+    app.block_thread()  # until Ctrl-C
     return 0
 
 

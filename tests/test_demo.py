@@ -123,6 +123,16 @@ def test_demo_command_binds_localhost_and_uses_the_run(run, monkeypatch):
     assert seen["share"] and seen["server_port"] == 7999
 
 
+def test_demo_start_up_names_the_share_flag(run, monkeypatch, capsys):
+    gr = pytest.importorskip("gradio", reason=NEEDS_GRADIO)
+    seen = {}
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kw: seen.update(kw))
+    assert main(["demo", "--aligned", str(run), "--rewards", "brightness"]) == 0
+    out = capsys.readouterr().out
+    # gradio's own hint (set share=True in launch()) is silenced; the command's flag is named instead
+    assert seen["quiet"] and "--share" in out and "share=True" not in out, out
+
+
 @pytest.mark.parametrize("args, needle", [
     ([], "no run with final weights under runs/; train one with"),
     (["--aligned", "no/such/run"], "has no final weights"),
