@@ -57,8 +57,10 @@ def _cmd_resume(args) -> int:
 
 def _cmd_config(args) -> int:
     from diffalign.config_files import dump_config, load_config
+    from diffalign.recipes import check_config
 
     cfg = load_config(args.config, args.overrides)
+    check_config(cfg)  # the names and files train resolves, with train's errors; no model loads
     print(dump_config(cfg), end="")
     print("# derived: " + ", ".join(f"{k}={v}" for k, v in cfg.derived().items()))
     return 0
@@ -84,66 +86,93 @@ def _check_sampling_args(args) -> None:
 
 
 def _cmd_eval(args) -> int:
-    from diffalign.adapters import load_adapter
+    from diffalign.adapters import load_adapter, model_family
+    from diffalign.evaluation import (DEFAULT_BASE, DEFAULT_REWARD, check_shapes_eval, eval_autocast_dtype, eval_base,
+                                      eval_reward, read_run_source)
     from diffalign.export import load_trained_adapter
 
     _check_sampling_args(args)
-    from diffalign.evaluation import eval_autocast_dtype
-
+    if args.images_per_family < 1:
+        raise DiffalignError(f"--images-per-family must be >= 1, got {args.images_per_family}")
     args.autocast_dtype = eval_autocast_dtype(args.mixed_precision)
     if args.protocol == "geneval":
         from diffalign.geneval import run_from_args
 
+        args.base, args.reward = args.base or DEFAULT_BASE, args.reward or DEFAULT_REWARD
         return run_from_args(args)
-    prompts, what = _eval_prompt_set(args)
-    models = [] if args.no_base else [("base", lambda: load_adapter(args.base))]
-    for run in args.runs:
-        if not Path(run).exists():
-            raise DiffalignError(f"run directory {run!r} does not exist")
-        models.append((Path(run).name, lambda run=run: load_trained_adapter(run)))
-    if not models:
+    runs = [read_run_source(run) for run in args.runs]
+    if not runs and args.no_base:
         raise DiffalignError("nothing to evaluate: give run directories or drop --no-base")
-    if args.reward == "shapes_eval":
+    base = None if args.no_base else eval_base(runs, args.base)  # refuses runs of another base
+    reward, reward_kwargs = eval_reward(runs, args.reward)
+    # (column, what it is, build): built one at a time, so that one model is in memory at once
+    models = [] if base is None else [("base", base, lambda: load_adapter(base))]
+    models += [(r.name, f"{r.base} + {r.name}/final", lambda r=r: load_trained_adapter(r.path)) for r in runs]
+    if reward == DEFAULT_REWARD:
+        check_shapes_eval(base, base and model_family(base), runs)
+        prompts, what = _eval_prompt_set(args)
         return _eval_shapes(args, prompts, what, models)
-    return _eval_other(args, prompts, models)
+    prompts, what = _eval_run_prompts(args, runs)
+    return _eval_other(args, prompts, what, models, reward, reward_kwargs)
 
 
-def _eval_other(args, prompts: list[str], models) -> int:
+def _eval_run_prompts(args, runs) -> tuple[list[str], str]:
+    """Other rewards: ``--prompts`` when given, else the eval prompts the runs were trained with."""
+    if args.prompts is not None or not runs or not runs[0].eval_prompts:
+        return _eval_prompt_set(args)
+    if any(r.eval_prompts != runs[0].eval_prompts for r in runs):
+        raise DiffalignError("the runs were trained with different eval prompts: give --prompts (a set or a file) to "
+                             "evaluate them all on one")
+    return list(runs[0].eval_prompts), f"eval prompts of {runs[0].name}"
+
+
+def _eval_header(args, sampled: str, models) -> str:
+    """The line above an eval table: what was sampled, from which models, how."""
+    precision = str(args.autocast_dtype).removeprefix("torch.") if args.autocast_dtype else "float32"
+    named = ", ".join(f"{name} = {what}" for name, what, _ in models)
+    return (f"{sampled}; {named}; {args.steps} ODE steps, CFG {args.guidance_scale:g}, seed {args.seed}, "
+            f"{precision} forwards")
+
+
+def _eval_other(args, prompts: list[str], what: str, models, reward: str, reward_kwargs: dict) -> int:
     """Any reward other than ShapesEval: the mean per model, no intervals."""
+    from diffalign import progress
     from diffalign.evaluation import evaluate_adapter, format_table
 
     samples = args.samples_per_prompt or 1
-    kwargs = dict(reward=args.reward, num_steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
-                  samples_per_prompt=samples, batch_size=args.batch_size, autocast_dtype=args.autocast_dtype)
+    kwargs = dict(reward=reward, reward_kwargs=reward_kwargs, num_steps=args.steps, guidance_scale=args.guidance_scale,
+                  seed=args.seed, samples_per_prompt=samples, batch_size=args.batch_size, autocast_dtype=args.autocast_dtype)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    sampled = f"{what}: {len(prompts)} prompts x {samples} = {len(prompts) * samples} images, reward {reward}"
     columns = {}
-    for name, build in models:
-        print(f"evaluating {name} on {len(prompts)} prompts x {samples} ...", file=sys.stderr, flush=True)
+    for name, model, build in models:
+        progress.phase(f"evaluating {name} ({model}) on {len(prompts)} prompts x {samples} ...")
         columns[name] = evaluate_adapter(build(), prompts, **kwargs)
+    print(_eval_header(args, sampled, models))
     print(format_table(columns))
     return 0
 
 
 def _eval_shapes(args, prompts: list[str], what: str, models) -> int:
     """ShapesEval with intervals: images_per_family images per family, paired differences vs base."""
-    from diffalign.evaluation import LEGEND, comparison_columns, evaluate_shapes, format_table
+    from diffalign import progress
+    from diffalign.evaluation import (LEGEND, comparison_columns, describe_families, evaluate_shapes, format_table,
+                                      shapes_eval_list)
 
     if args.samples_per_prompt is not None:
         raise DiffalignError("--samples-per-prompt is for other rewards; ShapesEval evaluates --images-per-family images per family")
-    if args.images_per_family < 1:
-        raise DiffalignError(f"--images-per-family must be >= 1, got {args.images_per_family}")
+    items = shapes_eval_list(prompts, args.images_per_family, args.num_prompts)  # what is sampled, as sampled
+    sampled = f"{len(items)} images ({describe_families(items, args.images_per_family)})"
     kwargs = dict(images_per_family=args.images_per_family, num_steps=args.steps, guidance_scale=args.guidance_scale,
                   seed=args.seed, batch_size=args.batch_size, limit=args.num_prompts, autocast_dtype=args.autocast_dtype)
     evaluations = {}
-    for name, build in models:
-        print(f"evaluating {name} on {what}, {args.images_per_family} images per family ...", file=sys.stderr, flush=True)
+    for name, model, build in models:
+        progress.phase(f"evaluating {name} ({model}) on {what}, {sampled} ...")
         ev = evaluate_shapes(build(), prompts, **kwargs)
-        print(f"  {ev.meta['num_images']} images in {ev.seconds:.0f} s", file=sys.stderr, flush=True)
+        progress.phase(f"  {ev.meta['num_images']} images in {ev.seconds:.0f} s")
         evaluations[name] = ev
     base = "base" if "base" in evaluations else None
-    ev = next(iter(evaluations.values()))
-    print(f"{what}: {ev.meta['num_images']} images, {args.steps} ODE steps, CFG {args.guidance_scale:g}, seed {args.seed}, "
-          f"{ev.meta['precision']} forwards")
+    print(_eval_header(args, f"{what}: {sampled}", models))
     print(format_table(comparison_columns(evaluations, base)))
     print(LEGEND)
     return 0
@@ -158,11 +187,11 @@ EVAL_PROMPT_SETS = {
 
 
 def _eval_prompt_set(args) -> tuple[list[str], str]:
-    """(distinct prompts, description) for --prompts."""
-    if args.prompts in EVAL_PROMPT_SETS:
+    """(distinct prompts, description) for --prompts (None: heldout)."""
+    if (args.prompts or "heldout") in EVAL_PROMPT_SETS:
         from diffalign.shapes import prompt_set
 
-        return prompt_set(args.prompts), EVAL_PROMPT_SETS[args.prompts]
+        return prompt_set(args.prompts or "heldout"), EVAL_PROMPT_SETS[args.prompts or "heldout"]
     f = Path(args.prompts)
     if not f.is_file():
         raise DiffalignError(f"--prompts: {args.prompts!r} is neither {'/'.join(EVAL_PROMPT_SETS)} nor a prompt file")
@@ -192,7 +221,7 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from diffalign import hub
+    from diffalign import hub, progress
     from diffalign.export import export_run
 
     if (args.private or args.public) and not args.push_to_hub:
@@ -201,7 +230,7 @@ def _cmd_export(args) -> int:
         raise DiffalignError("--private and --public contradict each other")
     token = hub.check_push_target(args.push_to_hub) if args.push_to_hub else None  # fail before the work
     out = export_run(args.run_dir, args.format, args.out, repo_id=args.push_to_hub, license=args.license,
-                     log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                     log=progress.phase)
     print(f"exported {args.format} weights to {out}")
     if args.push_to_hub:
         print(f"pushed to {hub.push_folder(out, args.push_to_hub, token=token, private=not args.public)}")
@@ -209,16 +238,32 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    import importlib.util
+    # the checkout's demo/app.py, installed as diffalign._demo (pyproject.toml: package-dir)
+    from diffalign._demo.app import run_from_args
 
-    # The app lives in the source tree (demo/app.py), outside the installed packages.
-    app_file = Path(__file__).resolve().parents[1] / "demo" / "app.py"
-    if not app_file.is_file():
-        raise DiffalignError(f"the demo needs a source checkout: {str(app_file)!r} not found")
-    spec = importlib.util.spec_from_file_location("diffalign_demo_app", app_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.run_from_args(args)
+    return run_from_args(args)
+
+
+def _cmd_recipes(args) -> int:
+    from diffalign import shipped
+
+    if args.action == "list":
+        if args.name is not None:
+            raise DiffalignError(f"`diffalign recipes` takes no name (got {args.name!r}); use: diffalign recipes show NAME")
+        recipes = shipped.available()
+        width = max((len(r.name) for r in recipes), default=0)
+        for recipe in recipes:
+            print(f"{recipe.name:<{width}}  {recipe.description}".rstrip())
+        print(f"# run one: diffalign train NAME; copy one to edit: diffalign recipes show NAME > my.yaml; files: {shipped.root()}")
+        return 0
+    if args.name is None:
+        raise DiffalignError(f"`diffalign recipes {args.action}` needs a recipe NAME (diffalign recipes lists them)")
+    recipe = shipped.find(args.name)
+    if args.action == "show":
+        print(recipe.path.read_text(encoding="utf-8"), end="")
+    else:  # path: for tools that want a file, e.g. accelerate launch --config_file
+        print(recipe.path)
+    return 0
 
 
 def _cmd_train_spm(args) -> int:
@@ -269,12 +314,16 @@ def _config_command(sub, name: str, help: str, fn, *, config_help: str | None = 
     return p
 
 
+RUN_CONFIG_HELP = ("a YAML file, or a shipped recipe's name (shapes/flow_grpo: its path under configs/ without .yaml; "
+                   "`diffalign recipes` lists them); a file that exists wins")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffalign", description="Align diffusion / flow-matching image models with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = _config_command(sub, "train", "train from a YAML config: diffalign train CONFIG [key=value ...]", _cmd_train,
-                        overwrite="delete a previous run in output_dir first")
+                        config_help=RUN_CONFIG_HELP, overwrite="delete a previous run in output_dir first")
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its latest checkpoint")
     p.add_argument("--allow-config-change", action="store_true",
                    help="with --resume: accept another model, algorithm, LoRA shape or prompt set (logged in the run directory)")
@@ -286,16 +335,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept another model, algorithm, LoRA shape or prompt set (logged in the run directory)")
     p.set_defaults(fn=_cmd_resume)
 
-    _config_command(sub, "config", "validate a config and print it resolved, with derived numbers", _cmd_config)
+    _config_command(sub, "config", "validate a config and print it resolved, with derived numbers", _cmd_config,
+                    config_help=RUN_CONFIG_HELP)
 
     p = sub.add_parser("eval", help="held-out accuracy per family with 95 %% intervals for the base model and run "
-                                    "directories, and each run's paired difference against the base")
-    p.add_argument("runs", nargs="*", help="run directories to compare with the base model")
-    p.add_argument("--base", default="shapes", help="base model id (default: the shipped shapes model)")
+                                    "directories, and each run's paired difference against the base; other rewards: "
+                                    "the mean per model")
+    p.add_argument("runs", nargs="*", help="run directories to compare with the base model they were trained from")
+    p.add_argument("--base", default=None,
+                   help="base model id (default: the runs' own base model, model.id of RUN/config.yaml; without runs "
+                        "the shipped shapes model); runs trained from another base are refused")
     p.add_argument("--no-base", action="store_true", help="skip the base model column (and the paired differences)")
-    p.add_argument("--prompts", default="heldout",
+    p.add_argument("--prompts", default=None,
                    help="heldout (the headline evaluation) | probe (the generalisation probe) | train | validation "
-                        "(training prompts set aside for choosing hyperparameters) | a file with one prompt per line")
+                        "(training prompts set aside for choosing hyperparameters) | a file with one prompt per line "
+                        "(default: heldout for ShapesEval, else the runs' own eval prompts)")
     p.add_argument("--images-per-family", type=int, default=96, help="ShapesEval: images per GenEval family (default 96)")
     p.add_argument("--num-prompts", type=int, default=0,
                    help="first N entries only (ShapesEval: images of the evaluation list; 0 = all): a quick check, not the headline")
@@ -304,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance-scale", type=float, default=4.0, help="CFG scale (default 4.0, the shipped model's)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch-size", type=int, default=64, help="images sampled per batch")
-    p.add_argument("--reward", default="shapes_eval",
-                   help="shapes_eval (intervals and paired differences) or any reward (mean and its summary only)")
+    p.add_argument("--reward", default=None,
+                   help="shapes_eval (intervals and paired differences; ShapesWorld models only) or any reward (mean and "
+                        "its summary only); default: the runs' own reward (reward.name and kwargs), shapes_eval without runs")
     p.add_argument("--mixed-precision", default="auto",
                    help="auto (bf16 autocast where the CPU has AVX512-BF16 or AMX, as train.mixed_precision: auto; "
                         "the default) | bf16 | no (fp32)")
@@ -343,11 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _config_command(sub, "train-spm", "train a step-aware preference model (SPO) on preference pairs: "
                     "diffalign train-spm [CONFIG] [key=value ...]", _cmd_train_spm, optional=True,
-                    config_help="YAML config (diffalign.spo.train.SPMTrainConfig); optional",
+                    config_help="YAML config (diffalign.spo.train.SPMTrainConfig) or an spo recipe (shapes/spo); optional",
                     overwrite="replace a previous SPM in output_dir")
 
     _config_command(sub, "train-reward", "train a diffusion-based reward model (DRM) on preference pairs: "
-                    "diffalign train-reward CONFIG", _cmd_train_reward, overwrite="replace a previous DRM in output_dir")
+                    "diffalign train-reward CONFIG", _cmd_train_reward, config_help="YAML config or a recipe name (shapes/drm_step_grpo)",
+                    overwrite="replace a previous DRM in output_dir")
 
     p = sub.add_parser("sample", help="sample images: plain (ODE) or step-wise (k SDE branches per step, the best under a DRM kept)")
     p.add_argument("--model", default="shapes", help="model id or a run directory (its final/ weights)")
@@ -370,6 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="known model families, rewards and algorithms")
     p.set_defaults(fn=_cmd_list)
+
+    p = sub.add_parser("recipes", help="the shipped recipes: diffalign recipes [show NAME | path NAME]; "
+                                       "NAME (e.g. shapes/flow_grpo) also works as CONFIG of train, config, train-spm, train-reward")
+    p.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list",
+                   help="list (default): names and descriptions; show: print the file (> my.yaml to edit a copy); "
+                        "path: print where the file is (e.g. for accelerate launch --config_file)")
+    p.add_argument("name", nargs="?", help="a recipe name: its path under configs/ without .yaml (accelerate/ddp)")
+    p.set_defaults(fn=_cmd_recipes)
     for p in sub.choices.values():
         p.add_argument("--quiet", action="store_true", help="no progress bars or phase lines (results and errors only)")
     return parser
@@ -384,10 +448,11 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = list(args.overrides) + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.quiet:
+    if args.quiet:  # before anything imports torch or diffusers (see progress.silence_libraries)
         from diffalign import progress
 
         progress.set_quiet(True)
+        progress.silence_libraries()
     try:
         return args.fn(args)
     except DiffalignError as exc:

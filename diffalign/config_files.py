@@ -12,13 +12,13 @@ import math
 import os
 import types
 import typing
-from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
 
 from diffalign.config import ALGORITHM_CONFIGS, AlgorithmConfig, RunConfig
 from diffalign.errors import ConfigError
+from diffalign.shipped import config_file
 
 
 def _type_name(tp) -> str:
@@ -102,6 +102,9 @@ def from_dict(cls, data: Any, prefix: str = ""):
         name = data.get("name", "flow_grpo")
         _ensure_algorithms_registered(name)
         if name not in ALGORITHM_CONFIGS:
+            from diffalign.recipes import check_algorithm_name
+
+            check_algorithm_name(name)  # not a recipe: every known name (ALGORITHM_CONFIGS holds the imported ones)
             raise ConfigError(f"config key 'algorithm.name' is unknown: {name!r}; known: {', '.join(sorted(ALGORITHM_CONFIGS))}")
         cls = ALGORITHM_CONFIGS[name]
     hints = typing.get_type_hints(cls)
@@ -163,7 +166,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
-    p = Path(path)
+    """The mapping in a config file; ``path`` may also name a shipped recipe (``shapes/flow_grpo``,
+    see :func:`diffalign.shipped.config_file`: a file that exists wins)."""
+    p = config_file(path)
     if p.is_dir():
         raise ConfigError(f"config file {str(p)!r} is a directory")
     if not p.is_file():
@@ -187,7 +192,7 @@ def read_yaml(path: str | os.PathLike) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (), base: dict | None = None) -> RunConfig:
-    """YAML file (optional) + ``key=value`` overrides -> validated :class:`RunConfig`."""
+    """YAML file or shipped recipe name (optional) + ``key=value`` overrides -> validated :class:`RunConfig`."""
     data = dict(base or {})
     if path is not None:
         data.update(read_yaml(path))

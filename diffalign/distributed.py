@@ -43,7 +43,8 @@ def zero_stage(cfg, accelerator) -> int:
         plugin = getattr(accelerator.state, "deepspeed_plugin", None)
         if accelerator.distributed_type != DistributedType.DEEPSPEED or plugin is None:
             raise ConfigError("the DeepSpeed accelerate config needs CUDA GPUs (accelerate runs DeepSpeed only there); on CPU "
-                              "launch with configs/accelerate/cpu_2proc.yaml and train.zero_stage=2")
+                              "launch with the accelerate/cpu_2proc recipe and train.zero_stage=2 (accelerate launch "
+                              "--config_file \"$(diffalign recipes path accelerate/cpu_2proc)\" -m diffalign.cli train ...)")
         theirs = int(plugin.zero_stage)
         if theirs not in (1, 2):
             raise ConfigError(f"the accelerate DeepSpeed config asks for zero_stage {theirs}; diffalign supports ZeRO-1 and "
@@ -89,7 +90,7 @@ def initialize(denoiser: torch.nn.Module, optimizer, cfg, stage: int, world: int
 
     if not dist.is_initialized():
         raise ConfigError("config key 'train.zero_stage' needs a multi-process launch (accelerate launch --config_file "
-                          "configs/accelerate/ddp.yaml or cpu_2proc.yaml)")
+                          "\"$(diffalign recipes path accelerate/ddp)\" -m diffalign.cli train ...; accelerate/cpu_2proc on CPU)")
     engine, zero_optimizer, _, _ = deepspeed.initialize(model=denoiser, optimizer=optimizer,
                                                         config=deepspeed_config(cfg, stage, world), dist_init_required=False)
     return engine, zero_optimizer

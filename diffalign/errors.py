@@ -42,3 +42,12 @@ class Interrupted(Exception):
         name = signal.Signals(signum).name
         saved = f"checkpoint at iteration {iteration} written" if checkpoint else "no iteration finished, nothing to save"
         super().__init__(f"stopped by {name}: {saved}; continue with: diffalign resume {run_dir}")
+
+
+def close_match(name: object, known) -> str:
+    """`` (did you mean 'x'?)`` with the entry of ``known`` closest to a misspelt ``name``, or ``""``
+    when none is close (difflib's ratio below 0.6): the tail of an unknown-name message."""
+    import difflib
+
+    match = difflib.get_close_matches(str(name), [str(k) for k in known], n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""

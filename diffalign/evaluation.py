@@ -10,20 +10,26 @@ Two entry points:
   difference against another model evaluated on the same list and seed.
 - :func:`evaluate_adapter` — any reward, mean and the reward's own summary, no intervals.
 
-:func:`format_table` prints either kind of result as an aligned text table.
+:func:`format_table` prints either kind of result as an aligned text table. :func:`read_run_source`,
+:func:`eval_base` and :func:`eval_reward` decide what ``diffalign eval RUN ...`` compares: each
+run's own base model and reward, and a refusal where a comparison would pair unrelated models.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
 
 import torch
 
 import reward_models
 from diffalign import stats
+from diffalign.errors import DiffalignError, RunDirError
 from diffalign.sampling import sample_images
 from diffalign.stats import Difference, Interval
 
@@ -135,11 +141,7 @@ def evaluate_shapes(
     denoiser's forwards under autocast, as a run with ``train.mixed_precision`` evaluates (step
     kernels and scoring stay fp32). ``bootstrap``: ``resamples``, ``seed``, ``level`` of
     :mod:`diffalign.stats`."""
-    from diffalign.shapes import evaluation_prompts
-
-    items = evaluation_prompts(prompts, images_per_family) if images_per_family is not None else list(prompts)
-    if limit:
-        items = items[:limit]
+    items = shapes_eval_list(prompts, images_per_family, limit)
     if not items:
         raise ValueError("no prompts to evaluate")
     resolution = resolution or adapter.default_resolution
@@ -148,10 +150,33 @@ def evaluate_shapes(
         images = sample_images(adapter, items, num_steps=num_steps, guidance_scale=guidance_scale, resolution=resolution,
                                seed=seed, batch_size=batch_size, progress=f"sampling {len(items)} images")
     records = shapes_records(images, items)
-    meta = {"num_images": len(items), "images_per_family": images_per_family, "num_steps": num_steps,
+    meta = {"num_images": len(items), "images_per_family": images_per_family,
+            "images_by_family": dict(Counter(r["family"] for r in records)), "num_steps": num_steps,
             "guidance_scale": guidance_scale, "resolution": resolution, "seed": seed, "batch_size": batch_size,
             "precision": str(autocast_dtype).removeprefix("torch.") if autocast_dtype else "float32"}
     return Evaluation.from_records(records, seconds=time.perf_counter() - t0, meta=meta, **bootstrap)
+
+
+def shapes_eval_list(prompts: Sequence[str], images_per_family: int | None = 96, limit: int = 0) -> list[str]:
+    """The prompt of every image :func:`evaluate_shapes` samples, in order (see its arguments)."""
+    from diffalign.shapes import evaluation_prompts
+
+    items = evaluation_prompts(prompts, images_per_family) if images_per_family is not None else list(prompts)
+    return items[:limit] if limit else items
+
+
+def describe_families(items: Sequence[str], images_per_family: int | None = 96) -> str:
+    """The images per family a ShapesEval list holds, as sampled: ``2 per family x 6 families``
+    for a whole list, else each family's count (``single_object 2 of 96``: a list cut short by a
+    limit, or ``images_per_family=None``: the list as given)."""
+    from diffalign.shapes import FAMILIES, prompt_family
+
+    counts = Counter(prompt_family(p) for p in items)
+    if images_per_family is not None and set(counts.values()) == {images_per_family}:
+        return f"{images_per_family} per family x {len(counts)} {'family' if len(counts) == 1 else 'families'}"
+    of = f" of {images_per_family}" if images_per_family is not None else ""
+    return ", ".join(f"{family} {counts[family]}{of}" for family in (*FAMILIES, *sorted(set(counts) - set(FAMILIES)))
+                     if counts[family])
 
 
 def evaluate_adapter(
@@ -191,6 +216,106 @@ def evaluate_adapter(
         s = reward_models.check_reward_output(name, reward_models.call_reward(extra_fn, images, all_prompts, metadata), len(all_prompts))
         out[label] = float(s[torch.isfinite(s)].mean())
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# What `diffalign eval RUN ...` compares
+# --------------------------------------------------------------------------------------------
+
+SHAPES_FAMILY = "shapes"  # the model family ShapesEval can score (ShapesWorld images)
+
+
+@dataclass(frozen=True)
+class RunSource:
+    """What a finished run directory was trained from, read from its files (no model loads)."""
+
+    name: str  # the run directory's name: its column in the tables
+    path: Path
+    base: str  # model.id: the base model its final/ weights apply to
+    family: Optional[str]  # the base's model family; None: a hub id whose family was not recorded
+    reward: str  # reward.name
+    reward_kwargs: dict
+    eval_prompts: list[str]  # the eval prompts as resolved when the run started (prompts.json); [] if absent
+
+
+def read_run_source(run_dir: str | Path) -> RunSource:
+    """A run directory's :class:`RunSource`, from ``config.yaml``, ``final/diffalign.json`` and
+    ``prompts.json``; a RunDirError when it does not exist or has no final weights."""
+    from diffalign.adapters import model_family
+    from diffalign.config_files import load_config
+    from diffalign.export import read_final_metadata
+
+    path = Path(run_dir)
+    if not path.exists():
+        raise RunDirError(f"run directory {str(run_dir)!r} does not exist")
+    meta = read_final_metadata(path)
+    cfg = load_config(path / "config.yaml")
+    family = meta.get("family") or model_family(cfg.model.id, cfg.model.family)
+    prompts_file = path / "prompts.json"
+    eval_prompts = json.loads(prompts_file.read_text()).get("eval", []) if prompts_file.is_file() else []
+    return RunSource(path.name, path, cfg.model.id, family, cfg.reward.name, dict(cfg.reward.kwargs), list(eval_prompts))
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model ids name the same model: equal ids, the two names of the shipped model,
+    or two paths to one folder."""
+    from diffalign.adapters import DEFAULT_ALIASES
+
+    def key(model_id: str) -> str:
+        if model_id in DEFAULT_ALIASES:
+            return DEFAULT_ALIASES[0]
+        path = Path(model_id).expanduser()
+        return str(path.resolve()) if path.exists() else model_id
+
+    return key(a) == key(b)
+
+
+def eval_base(runs: Sequence[RunSource], base: str | None) -> str:
+    """The model of the base column: ``base`` when given, else the base the runs were trained
+    from (the shipped shapes model without runs). A run trained from another base is refused: its
+    paired difference against the base column would compare unrelated models."""
+    if base is None:
+        if any(not same_model(r.base, runs[0].base) for r in runs):
+            listing = ", ".join(f"{r.name!r} ({r.base})" for r in runs)
+            raise DiffalignError(f"the runs have different base models: {listing}; evaluate each base's runs "
+                                 "separately, or give --no-base")
+        return runs[0].base if runs else DEFAULT_BASE
+    for r in runs:
+        if not same_model(r.base, base):
+            raise DiffalignError(f"run {r.name!r} was trained from {r.base!r}, not from --base {base!r}: its difference "
+                                 f"against the base would compare unrelated models; give --base {r.base} or --no-base")
+    return base
+
+
+DEFAULT_BASE = "shapes"  # the base column without runs: the shipped model
+DEFAULT_REWARD = "shapes_eval"  # the reward without runs: ShapesEval with intervals and paired differences
+
+
+def eval_reward(runs: Sequence[RunSource], reward: str | None) -> tuple[str, dict]:
+    """``(reward, kwargs)`` to score with: ``reward`` when given, else the reward the runs were
+    trained on (ShapesEval without runs); kwargs are the runs' when they all trained on that reward
+    with the same ones. Runs trained on different rewards need an explicit ``reward``."""
+    trained = {(r.reward, json.dumps(r.reward_kwargs, sort_keys=True, default=str)) for r in runs}
+    if reward is None:
+        if not runs:
+            return DEFAULT_REWARD, {}
+        if len(trained) > 1:
+            listing = ", ".join(f"{r.name!r} ({r.reward})" for r in runs)
+            raise DiffalignError(f"the runs were trained on different rewards: {listing}; give --reward NAME to score them all with one")
+        return runs[0].reward, dict(runs[0].reward_kwargs)
+    return reward, dict(runs[0].reward_kwargs) if len(trained) == 1 and runs[0].reward == reward else {}
+
+
+def check_shapes_eval(base: str | None, base_family: str | None, runs: Sequence[RunSource]) -> None:
+    """ShapesEval scores ShapesWorld images only: refuse a base column (``base``, None without
+    one) or a run whose model is not a ShapesWorld model, naming it and its base (a run first)."""
+    for r in runs:
+        if r.family != SHAPES_FAMILY:
+            raise DiffalignError(f"ShapesEval scores ShapesWorld images, and run {r.name!r} is based on {r.base!r}, a "
+                                 f"{r.family or 'hub'} model: give --reward NAME (it was trained on {r.reward})")
+    if base is not None and base_family != SHAPES_FAMILY:
+        raise DiffalignError(f"ShapesEval scores ShapesWorld images, and the base {base!r} is a {base_family or 'hub'} "
+                             "model: give --reward NAME")
 
 
 # --------------------------------------------------------------------------------------------

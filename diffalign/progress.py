@@ -2,7 +2,8 @@
 
 On a terminal each phase shows a tqdm bar on stderr; elsewhere (a log file, a pipe, CI) the bar
 is off and the phase prints one line when it starts, so logs stay short; ``--quiet`` (the CLI) or
-:func:`set_quiet` silences both. No phase of a run is meant to stay silent on a terminal for more
+:func:`set_quiet` silences both, and the CLI's ``--quiet`` also silences the libraries underneath
+(:func:`silence_libraries`). No phase of a run is meant to stay silent on a terminal for more
 than a few seconds: bars refresh at least every :data:`REFRESH_S` seconds.
 """
 
@@ -20,6 +21,44 @@ def set_quiet(quiet: bool = True) -> None:
     """Silence progress bars and phase lines for the rest of the process (``--quiet``)."""
     global _quiet
     _quiet = bool(quiet)
+
+
+# Environment read by the libraries when they import (and inherited by processes they start):
+# tqdm's default for bars created without an explicit ``disable`` (diffusers' and transformers'
+# loading and shard-writing bars), the Hub's download bars, and the two libraries' log levels.
+_QUIET_ENV = {
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "DIFFUSERS_VERBOSITY": "error",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+# Modules whose Python warnings still show under --quiet: diffalign's own.
+OWN_MODULES = r"(diffalign|reward_models|schedulers)(\.|$)"
+
+
+def silence_libraries() -> None:
+    """``--quiet`` for the libraries underneath: their warnings, info lines and progress bars off for
+    the rest of the process, their errors kept. Importing diffusers, peft, transformers or accelerate
+    probes every installed optional package and imports some (torchao, bitsandbytes, DeepSpeed),
+    which log on import (failed shared objects, deprecations, "Setting accelerator to CPU"): levels set
+    on their loggers beforehand do not hold, since torch and DeepSpeed reset them when they import,
+    so logging is disabled below ERROR process-wide. diffalign writes its own lines with ``print``,
+    and Python warnings of its own modules still show."""
+    import importlib
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=OWN_MODULES)  # inserted first: wins over "ignore"
+    for name, value in _QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    for library in ("diffusers", "transformers"):  # already imported (the Python API): the env came too late
+        if library in sys.modules:
+            hf_logging = importlib.import_module(f"{library}.utils.logging")
+            hf_logging.disable_progress_bar()
+            hf_logging.set_verbosity_error()
 
 
 def is_quiet() -> bool:

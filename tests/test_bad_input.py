@@ -89,6 +89,9 @@ CASES = [
     ("eval-steps-zero", ["eval", "{run}", "--steps", "0"], "--steps"),
     ("eval-bad-precision", ["eval", "{run}", "--mixed-precision", "fp8"], "--mixed-precision"),
     ("eval-images-per-family-zero", ["eval", "{run}", "--images-per-family", "0"], "--images-per-family"),
+    ("eval-shapes-eval-of-sd3-run", ["eval", "{run}", "--reward", "shapes_eval"], "based on 'tiny:sd3'"),
+    ("eval-run-of-another-base", ["eval", "{run}", "--base", "shapes"], "trained from 'tiny:sd3'"),
+    ("config-unknown-reward", ["config", CONFIG, "reward.name=pickscor"], "did you mean 'pickscore'"),
     # ---- export
     ("export-missing-run", ["export", "{tmp}/nope"], "not a run directory"),
     ("export-not-a-run", ["export", "{tmp}/notrun"], "not a run directory"),

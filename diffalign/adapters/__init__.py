@@ -10,7 +10,8 @@
   ``family`` is given.
 
 Every failure raises :class:`diffalign.errors.ModelLoadError` with a one-line message naming
-the id, path or family and the known families.
+the id, path or family and the known families. :func:`model_family` resolves an id the same way
+without loading anything (``diffalign config`` and ``train`` check ``model.id`` with it first).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DiffalignError, ModelLoadError
+from ..errors import DiffalignError, ModelLoadError, close_match
 from .base import ModelAdapter, PromptEmbeds
 
 # family name -> "module:Class". Adding a model = one adapter module + one line here (+ one in
@@ -54,7 +55,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
 DEFAULT_ALIASES = ("shapes", "default")  # ids of the shipped default model
 TINY_PREFIX = "tiny:"
 
-__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "ModelAdapter", "PromptEmbeds", "adapter_class", "load_adapter"]
+__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "ModelAdapter", "PromptEmbeds", "adapter_class", "load_adapter", "model_family"]
 
 
 def _known() -> str:
@@ -65,13 +66,19 @@ def adapter_class(family: str, *, model_id: str | None = None) -> type[ModelAdap
     """The adapter class registered for ``family`` (imported on first use); ``model_id`` only
     makes the error message name the model being loaded."""
     prefix = f"model {model_id!r}: " if model_id is not None else ""
-    if family not in FAMILIES:
-        raise ModelLoadError(f"{prefix}unknown model family {family!r}; {_known()}")
+    _check_family(family, model_id)
     module_name, _, class_name = FAMILIES[family].partition(":")
     try:
         return getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as e:
         raise ModelLoadError(f"{prefix}model family {family!r} cannot be imported from {FAMILIES[family]!r}: {e}") from e
+
+
+def _check_family(family: str, model_id: str | None = None) -> None:
+    """A family name of :data:`FAMILIES` (its module is not imported)."""
+    if family not in FAMILIES:
+        prefix = f"model {model_id!r}: " if model_id is not None else ""
+        raise ModelLoadError(f"{prefix}unknown model family {family!r}{close_match(family, FAMILIES)}; {_known()}")
 
 
 def _family_from_index(index_file: Path | str, where: str) -> str:
@@ -136,34 +143,53 @@ def load_adapter(
             or to ``build_tiny`` (``seed`` and the same adapter options) for ``tiny:`` ids.
     """
     model_id = str(model_id)
-    forced = None if family in (None, "auto") else family
-    if forced is not None:
-        adapter_class(forced, model_id=model_id)  # fail early on an unknown family
-
-    if model_id.startswith(TINY_PREFIX):
-        name = model_id[len(TINY_PREFIX):]
-        if forced is not None and forced != name:
-            raise ModelLoadError(f"model {model_id!r} is family {name!r} but family={forced!r} was given; {_known()}")
-        cls = adapter_class(name, model_id=model_id)
+    kind, name = _locate(model_id, _forced(family))
+    if name is None:  # a hub id: its model_index.json names the family
+        name = _family_from_hub(model_id, kwargs)
+    cls = adapter_class(name, model_id=model_id)
+    if kind == "tiny":
         try:
             return cls.build_tiny(device=device, dtype=dtype, **kwargs)
         except TypeError as e:  # an option this family does not have
             raise ModelLoadError(f"cannot build {model_id!r}: {e}; {_known()}") from e
-
-    if model_id in DEFAULT_ALIASES:
-        cls = adapter_class(forced or "shapes", model_id=model_id)
+    if kind == "default":
         if not hasattr(cls, "default_model_path"):
             raise ModelLoadError(f"model {model_id!r}: family {cls.family!r} has no shipped default model; {_known()}")
         return _from_pretrained(cls, str(cls.default_model_path()), model_id, device, dtype, kwargs)
+    source = str(Path(model_id).expanduser()) if kind == "folder" else model_id
+    return _from_pretrained(cls, source, model_id, device, dtype, kwargs)
 
+
+def model_family(model_id: str, family: str | None = "auto") -> str | None:
+    """The family :func:`load_adapter` would load ``model_id`` as, found without loading weights,
+    importing the adapter or asking the hub; None for a hub id whose ``family`` is not given (the
+    hub's model_index.json names it at load time). Raises the ModelLoadError loading would raise
+    for an unknown family, a missing path, or a folder that is not a pipeline of a known family."""
+    return _locate(str(model_id), _forced(family))[1]
+
+
+def _forced(family: str | None) -> str | None:
+    return None if family in (None, "auto") else family
+
+
+def _locate(model_id: str, forced: str | None) -> tuple[str, str | None]:
+    """``(kind, family)`` of ``model_id`` in the order of the module docstring: kind is ``tiny``,
+    ``default``, ``folder`` or ``hub``; family is None only for a hub id without ``forced``."""
+    if forced is not None:
+        _check_family(forced, model_id)  # fail early on an unknown family
+    if model_id.startswith(TINY_PREFIX):
+        name = model_id[len(TINY_PREFIX):]
+        if forced is not None and forced != name:
+            raise ModelLoadError(f"model {model_id!r} is family {name!r} but family={forced!r} was given; {_known()}")
+        _check_family(name, model_id)
+        return "tiny", name
+    if model_id in DEFAULT_ALIASES:
+        return "default", forced or "shapes"
     path = Path(model_id).expanduser()
     if path.is_dir():
-        name = forced or _family_from_index(path / "model_index.json", f"model folder {model_id!r}")
-        return _from_pretrained(adapter_class(name, model_id=model_id), str(path), model_id, device, dtype, kwargs)
+        return "folder", forced or _family_from_index(path / "model_index.json", f"model folder {model_id!r}")
     if path.exists():
         raise ModelLoadError(f"model path {model_id!r} is a file; expected a diffusers pipeline folder")
     if model_id.startswith((".", "/", "~")):
         raise ModelLoadError(f"model path {model_id!r} does not exist")
-
-    name = forced or _family_from_hub(model_id, kwargs)
-    return _from_pretrained(adapter_class(name, model_id=model_id), model_id, model_id, device, dtype, kwargs)
+    return "hub", forced

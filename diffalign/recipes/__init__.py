@@ -2,16 +2,16 @@
 
 A recipe module defines its config dataclass (registered with
 :func:`diffalign.config.register_algorithm_config`) and a :class:`~diffalign.trainer.Trainer`
-subclass registered here with :func:`register_recipe`.
+subclass registered here with :func:`register_recipe`. :func:`check_config` is every check that
+``train`` makes before it loads a model; ``diffalign config`` makes the same ones.
 """
 
 from __future__ import annotations
 
 import importlib
-
 from pathlib import Path
 
-from diffalign.errors import ConfigError
+from diffalign.errors import ConfigError, DiffalignError, close_match
 
 _RECIPES: dict[str, str] = {
     "flow_grpo": "diffalign.recipes.flow_grpo:FlowGRPOTrainer",
@@ -40,15 +40,53 @@ def recipe_module(name: str) -> str | None:
     return target.partition(":")[0] if target else None
 
 
-def trainer_class(name: str):
+def check_algorithm_name(name: str) -> None:
+    """A registered recipe name, else a one-line ConfigError naming ``algorithm.name``."""
     if name not in _RECIPES:
-        raise ConfigError(f"config key 'algorithm.name' is unknown: {name!r}; known: {', '.join(available())}")
+        raise ConfigError(f"config key 'algorithm.name' is unknown: {name!r}{close_match(name, _RECIPES)}; "
+                          f"known: {', '.join(available())}")
+
+
+def trainer_class(name: str):
+    check_algorithm_name(name)
     module, _, attr = _RECIPES[name].partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
 def build_trainer(cfg, **kwargs):
+    check_config(cfg)
     return trainer_class(cfg.algorithm.name)(cfg, **kwargs)
+
+
+def check_config(cfg) -> None:
+    """Every name and file of a run config that ``train`` resolves, checked without loading a
+    model or building a reward (no weights): ``algorithm.name``, ``reward.name`` (and the names
+    inside it: weighted components, SPO's ``algorithm.spm``), ``model.id`` / ``model.family``,
+    ``log.trackers`` (known and installed) and the prompts (``prompts.file`` readable, families
+    known). One ConfigError naming the key. :func:`build_trainer` calls it, and so does
+    ``diffalign config``. A hub id is checked when it loads (naming its family needs the hub)."""
+    import reward_models
+    from diffalign.adapters import FAMILIES, model_family
+    from diffalign.prompts import resolve_probe_prompts, resolve_prompts
+    from diffalign.training.tracking import check_trackers
+
+    check_algorithm_name(cfg.algorithm.name)
+    named_rewards = [("reward.name", cfg.reward.name, cfg.reward.kwargs)]
+    if getattr(cfg.algorithm, "spm", None):  # SPO's step-aware preference model is a reward by name
+        named_rewards.append(("algorithm.spm", cfg.algorithm.spm, getattr(cfg.algorithm, "spm_kwargs", None)))
+    for key, name, kwargs in named_rewards:
+        try:
+            reward_models.check_name(name, kwargs)
+        except DiffalignError as exc:
+            raise ConfigError(f"config key '{key}': {exc}") from None
+    try:
+        model_family(cfg.model.id, cfg.model.family)
+    except DiffalignError as exc:
+        key = "model.family" if cfg.model.family not in ("auto", *FAMILIES) else "model.id"
+        raise ConfigError(f"config key '{key}': {exc}") from None
+    check_trackers(cfg.log.trackers)
+    resolve_prompts(cfg)
+    resolve_probe_prompts(cfg)
 
 
 def check_judges_trained(cfg, config_path: str) -> None:
