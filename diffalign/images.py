@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -41,6 +42,17 @@ def sample_grid(samples: torch.Tensor, nrow: int = 8) -> np.ndarray:
     return frame_strips(samples) if samples.ndim == 5 else image_grid(samples, nrow=nrow)
 
 
+def short_prompt(prompt: str) -> str:
+    """A prompt without its ``a photo of`` head and first article: ``a photo of two red circles``
+    -> ``two red circles``."""
+    words = prompt.split()
+    if [w.lower() for w in words[:3]] == ["a", "photo", "of"]:
+        words = words[3:]
+        if len(words) > 1 and words[0].lower() in ("a", "an"):
+            words = words[1:]
+    return " ".join(words)
+
+
 def save_png(array: np.ndarray, path: Path, scale: int = 1) -> None:
     from PIL import Image
 
@@ -57,3 +69,59 @@ def resize(images: torch.Tensor, resolution: int) -> torch.Tensor:
         return images
     x = F.interpolate(images.float(), size=(resolution, resolution), mode="bicubic", antialias=True, align_corners=False)
     return x.round().clamp(0, 255).to(torch.uint8)
+
+
+PASS_COLOR = (22, 150, 60)  # green mark: the image passes ShapesEval
+FAIL_COLOR = (200, 30, 30)  # red mark: it fails
+LABEL_LINES = 3  # text lines under each tile; longer labels are cut with "..."
+
+
+def _wrap(text: str, width: int, lines: int) -> list[str]:
+    """``text`` broken at spaces into at most ``lines`` lines of at most ``width`` characters."""
+    out: list[str] = []
+    for word in text.split():
+        if out and len(out[-1]) + 1 + len(word) <= width:
+            out[-1] += " " + word
+        else:
+            out.append(word[:width])
+    if len(out) > lines:
+        out = out[:lines]
+        out[-1] = out[-1][: max(width - 3, 1)] + "..."
+    return out
+
+
+def labelled_grid(images: torch.Tensor, labels: Sequence[str], marks: Sequence[bool | None] | None = None,
+                  nrow: int = 4, tile: int = 128) -> np.ndarray:
+    """(N, 3, H, W) in [0, 1] -> uint8 grid of ``tile``-pixel tiles, each with its label under it.
+
+    ``marks[i]`` True / False draws a green "pass" / red "fail" square in the tile's corner and
+    starts its label with the word (None: no mark). Tiles are resized to ``tile`` pixels (nearest
+    when enlarging, so small ShapesWorld images stay sharp) to keep the file a few hundred KB."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    n = len(images)
+    if len(labels) != n or (marks is not None and len(marks) != n):
+        raise ValueError(f"labelled_grid: {n} images, {len(labels)} labels, {len(marks or [])} marks")
+    font = ImageFont.load_default()
+    char_w, line_h = 6, 11  # the default bitmap font's cell, pixels
+    text_h = LABEL_LINES * line_h + 4
+    rows = math.ceil(n / nrow)
+    canvas = Image.new("RGB", (nrow * (tile + 2) + 2, rows * (tile + text_h + 2) + 2), "white")
+    draw = ImageDraw.Draw(canvas)
+    arr = (images.clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    for i in range(n):
+        r, c = divmod(i, nrow)
+        x, y = 2 + c * (tile + 2), 2 + r * (tile + text_h + 2)
+        img = Image.fromarray(arr[i])
+        enlarge = img.width <= tile and img.height <= tile
+        canvas.paste(img.resize((tile, tile), Image.NEAREST if enlarge else Image.BICUBIC), (x, y))
+        mark = None if marks is None else marks[i]
+        text = labels[i]
+        if mark is not None:
+            color = PASS_COLOR if mark else FAIL_COLOR
+            draw.rectangle((x + tile - 14, y + 2, x + tile - 3, y + 13), fill=color, outline="white")
+            text = ("pass: " if mark else "FAIL: ") + text
+        for j, line in enumerate(_wrap(text, tile // char_w, LABEL_LINES)):
+            fill = (PASS_COLOR if mark else FAIL_COLOR) if (j == 0 and mark is not None) else (0, 0, 0)
+            draw.text((x + 1, y + tile + 2 + j * line_h), line, fill=fill, font=font)
+    return np.asarray(canvas)

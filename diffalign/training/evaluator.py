@@ -3,7 +3,10 @@
 The eval prompts are sampled with fixed seeds (ODE) and scored by the run's reward; ShapesWorld
 runs also keep per-image ShapesEval records (``eval_records/iter-N.json``: intervals, paired
 differences, see :mod:`diffalign.evaluation`) and, before and after training, the generalisation
-probe. A grid of the first images goes to ``samples/`` (for videos: one frame strip per video).
+probe; other runs keep the per-image rewards there (for paired intervals in the report). A grid
+goes to ``samples/``: for ShapesWorld, one row per GenEval family, each image labelled with its
+prompt and pass / fail; otherwise the first images labelled with prompt and reward (for videos:
+one unlabelled frame strip per video). The same list and seed pick the same images every time.
 """
 
 from __future__ import annotations
@@ -16,8 +19,14 @@ from typing import Sequence
 import torch
 
 from diffalign import runs
-from diffalign.images import sample_grid, save_png
+from diffalign.images import labelled_grid, sample_grid, save_png, short_prompt
 from diffalign.sampling import sample_images
+
+GRID_PER_FAMILY = 8  # ShapesWorld grids: images per GenEval family (one row each)
+GRID_IMAGES = 16  # other image grids: the first 16 images (two rows), so a grid of large images stays small
+GRID_VIDEOS = 8  # video grids: one frame strip per row
+GRID_ROW = 8  # other image grids: images per row
+GRID_TILE_PX = 96  # every image of a labelled grid is shown this wide (ShapesWorld's 32 px: 3x, nearest)
 
 
 def eval_records_path(run_dir: Path, iteration: int) -> Path:
@@ -57,6 +66,61 @@ def evaluate(trainer, iteration: int, *, save_grid: bool = True, probe: bool = F
     return record
 
 
+def grid_rows(families: Sequence[str], prompts: Sequence[str], per_family: int = GRID_PER_FAMILY) -> list[list[int]]:
+    """The images of a ShapesWorld grid: per family (order of first appearance), the indices of up
+    to ``per_family`` images, spread evenly over the family's distinct prompts (the first image of
+    each chosen prompt); a family with fewer distinct prompts adds further images of them (other
+    seeds) in list order."""
+    positions: dict[str, list[int]] = {}
+    for i, family in enumerate(families):
+        positions.setdefault(family, []).append(i)
+    rows = []
+    for pos in positions.values():
+        first: dict[str, int] = {}
+        for i in pos:
+            first.setdefault(prompts[i], i)
+        distinct = list(first.values())
+        k = min(per_family, len(pos))
+        if len(distinct) >= k:
+            rows.append([distinct[j * len(distinct) // k] for j in range(k)])
+        else:
+            chosen = set(distinct)
+            rows.append(sorted(distinct + [i for i in pos if i not in chosen][: k - len(distinct)]))
+    return rows
+
+
+def _save_grid(trainer, iteration: int, images: torch.Tensor, prompts: Sequence[str], rewards: torch.Tensor,
+               records: Sequence[dict] | None) -> dict:
+    """Write ``samples/eval-iter-N.png`` and ``samples/eval-prompts.txt`` (the grid's prompts in
+    grid order); ``records``: the ShapesEval records of ``images`` (a grid by family), else None."""
+    out: dict = {}
+    samples = trainer.run_dir / "samples"
+    grid = samples / f"eval-iter-{iteration:06d}.png"
+    if images.ndim == 5:
+        out["eval/frames"] = images.shape[1]  # tells the report the grid holds frame strips
+        index = list(range(min(len(images), GRID_VIDEOS)))
+        save_png(sample_grid(images[index]), grid, scale=2)
+    elif records is not None:  # one row per family; a shorter row (a list cut by eval.num_prompts) is padded blank
+        rows = grid_rows([r["family"] for r in records], prompts)
+        width = max(len(row) for row in rows)
+        index = [i for row in rows for i in row]
+        cells, labels, marks = [], [], []
+        for row in rows:
+            blank = width - len(row)
+            cells += [images[i] for i in row] + [torch.ones_like(images[0])] * blank
+            labels += [short_prompt(prompts[i]) for i in row] + [""] * blank
+            marks += [bool(records[i]["passed"]) for i in row] + [None] * blank
+        save_png(labelled_grid(torch.stack(cells), labels, marks, nrow=width, tile=GRID_TILE_PX), grid)
+    else:
+        index = list(range(min(len(images), GRID_IMAGES)))
+        labels = [f"reward {float(rewards[i]):.3f}: {short_prompt(prompts[i])}" for i in index]
+        save_png(labelled_grid(images[index], labels, nrow=GRID_ROW, tile=GRID_TILE_PX), grid)
+    if getattr(trainer, "tracking", None) is not None:  # a bare trainer (tests) has none
+        trainer.tracking.log_image("eval/samples", grid, iteration)
+    runs.atomic_write_text(samples / "eval-prompts.txt", "".join(prompts[i] + "\n" for i in index))
+    return out
+
+
 def sample_eval(trainer, items: Sequence[str], what: str = "eval") -> torch.Tensor:
     """The images of ``items``: eval weights (EMA when configured), the eval sampler and seed.
     ``what`` names the progress bar (main process only)."""
@@ -83,6 +147,7 @@ def _run(trainer, iteration: int, *, save_grid: bool, probe: bool) -> dict:
               "eval/num_images": len(prompts)}
     record.update({f"eval/{k}": v for k, v in info.items()})
     main = trainer.accelerator.is_main_process
+    heldout = None
     if cfg.prompts.source == "shapes":
         # Per-image ShapesEval records whatever the training reward: intervals, paired differences.
         meta = {"num_steps": cfg.sampling.eval_num_steps, "guidance_scale": cfg.sampling.guidance_scale,
@@ -98,18 +163,15 @@ def _run(trainer, iteration: int, *, save_grid: bool, probe: bool) -> dict:
             record.update(interval_record(probe_eval.intervals, "eval/probe/"))
             record["eval/probe/num_images"] = len(items)
             saved["probe"] = probe_eval.to_json()
-        if main:
-            path = eval_records_path(trainer.run_dir, iteration)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            runs.atomic_write_text(path, json.dumps(saved))
+    else:
+        # Per-image rewards (None where not finite), so that the report can pair two evaluations.
+        saved = {"iteration": iteration, "rewards": {"prompts": list(prompts), "guidance_scale": cfg.sampling.guidance_scale,
+                                                     "values": [float(r) if torch.isfinite(r) else None for r in rewards]}}
+    if main:
+        path = eval_records_path(trainer.run_dir, iteration)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        runs.atomic_write_text(path, json.dumps(saved))
     record["eval/seconds"] = time.perf_counter() - t0
     if save_grid and main:
-        if images.ndim == 5:
-            record["eval/frames"] = images.shape[1]  # tells the report the grid holds frame strips
-        n = min(len(images), 8 if images.ndim == 5 else 64)  # videos: one frame strip per row
-        grid = trainer.run_dir / "samples" / f"eval-iter-{iteration:06d}.png"
-        save_png(sample_grid(images[:n]), grid, scale=2)
-        if getattr(trainer, "tracking", None) is not None:  # a bare trainer (tests) has none
-            trainer.tracking.log_image("eval/samples", grid, iteration)
-        runs.atomic_write_text(trainer.run_dir / "samples" / "eval-prompts.txt", "".join(p + "\n" for p in prompts[:n]))
+        record.update(_save_grid(trainer, iteration, images, prompts, rewards, heldout.records if heldout else None))
     return record
