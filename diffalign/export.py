@@ -21,6 +21,7 @@ import torch
 
 from diffalign.adapters.base import ModelAdapter
 from diffalign.errors import RunDirError
+from diffalign.report import evaluation_summary
 
 EXPORT_FORMATS = ("lora", "merged")
 LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
@@ -62,12 +63,64 @@ def save_trained_weights(adapter: ModelAdapter, out_dir: Path, *, lora: bool, me
             pipe_cls.save_lora_weights(str(tmp), **{f"{attr}_lora_layers": lora_state_dict(adapter)})
         else:
             adapter.pipeline.save_pretrained(str(tmp))
+            scrub_local_paths(tmp, str(metadata.get("base_model", "")))
         (tmp / METADATA_FILE).write_text(json.dumps({"format": "lora" if lora else "full", **metadata}, indent=2, default=str))
         _publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def scrub_local_paths(folder: Path, name: str) -> None:
+    """Replace the absolute local paths that ``save_pretrained`` records (``_name_or_path`` of the
+    folder a model was loaded from, e.g. the shipped model inside site-packages) by ``name``, the
+    model id, in every JSON file under ``folder``: a saved or exported folder names no path of the
+    machine that wrote it."""
+
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if isinstance(value, str) and os.path.isabs(value) and len(value) > 1:
+            return name
+        return value
+
+    for f in sorted(folder.rglob("*.json")):
+        try:
+            data = json.loads(f.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        cleaned = clean(data)
+        if cleaned != data:
+            f.write_text(json.dumps(cleaned, indent=2, sort_keys=False) + "\n")
+
+
+def unchanged_weights(run_dir: str | os.PathLike) -> str | None:
+    """Why ``final/`` of a run holds exactly the base model's weights, or None when it does not.
+
+    LoRA: every adapted layer's update ``B @ A`` is zero (``lora_B`` or ``lora_A`` all zeros, as
+    before any training). Full fine-tuning: every denoiser tensor equals the base model's.
+    """
+    from diffalign.adapters import load_adapter
+
+    final = Path(run_dir) / "final"
+    meta = json.loads((final / METADATA_FILE).read_text())
+    if meta.get("format") == "lora":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(final / LORA_WEIGHTS_FILE))
+        pairs = [(tensors[k], tensors.get(k.replace("lora_A", "lora_B"))) for k in tensors if "lora_A" in k]
+        if pairs and all(b is None or not a.any() or not b.any() for a, b in pairs):
+            return f"every LoRA update B @ A in {str(final)!r} is zero"
+        return None
+    trained = load_trained_adapter(run_dir).denoiser.state_dict()
+    options = meta.get("model_options") or {}
+    base = load_adapter(meta["base_model"], family=meta.get("family", "auto"), **options).denoiser.state_dict()
+    if trained.keys() == base.keys() and all(torch.equal(trained[k], base[k].to(trained[k].dtype)) for k in trained):
+        return f"every denoiser weight in {str(final)!r} equals {meta['base_model']!r}'s"
+    return None
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
@@ -224,6 +277,10 @@ def export_run(
     meta = portable(meta)
     evals = [r for r in runs.MetricsLog(run_dir / "metrics.jsonl").read() if r.get("eval")]
 
+    same = unchanged_weights(run_dir)
+    if same:
+        log(f"warning: the exported weights equal the base model's ({same}): the run changed nothing "
+            f"(too few updates, lr 0, or EMA weights that never averaged: see final/{METADATA_FILE} 'weights')")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
@@ -241,6 +298,7 @@ def export_run(
                 bar.update(1)
                 bar.set_postfix_str("writing the pipeline")
                 adapter.pipeline.save_pretrained(str(tmp), safe_serialization=True)
+                scrub_local_paths(tmp, str(meta["base_model"]))
                 bar.update(1)
             pipeline_class = type(adapter.pipeline)
             del adapter
@@ -255,7 +313,8 @@ def export_run(
                 _side_by_side(tmp / "images" / "before.png", tmp / "images" / "after.png", tmp / "images" / "before_after.png")
                 images["before_after"] = "images/before_after.png"
         card = hub.model_card(meta, config, evals, fmt=fmt, where=repo_id or ".", images=images,
-                              license=license, pipeline_class=pipeline_class, name=f"{run_dir.name}-{fmt}")
+                              license=license, pipeline_class=pipeline_class, name=f"{run_dir.name}-{fmt}",
+                              evaluation=evaluation_summary(run_dir))
         card.save(tmp / "README.md")
         info = {k: v for k, v in meta.items() if k != "format"}
         info["format"] = fmt

@@ -114,8 +114,32 @@ def _eval_table(evals: list[dict]) -> list[str]:
             f"{last.get('eval/num_images', '?')} images):", ""] + rows
 
 
+def _widget_prompt(config: dict, family: Optional[str]) -> str:
+    """A prompt from the base model's own domain: the run's first evaluation or training prompt;
+    for ShapesWorld (whose prompts come from its grammar, not the config) the first held-out prompt
+    that relates two objects."""
+    if family == "shapes":
+        from diffalign.shapes import prompt_family, prompt_set
+
+        held_out = prompt_set("heldout")
+        return next((p for p in held_out if prompt_family(p) == "position"), held_out[0])
+    prompts = config.get("prompts") or {}
+    return next(iter((prompts.get("eval") or []) + (prompts.get("train") or [])), "a photo of a cat")
+
+
+def _license_fields(license: str, base: str, hub_base: Optional[str]) -> dict:
+    """The Hub's license fields: ``license: other`` always comes with ``license_name`` and
+    ``license_link`` (the base model's page, whose license a derived model inherits)."""
+    if license != "other":
+        return {"license": license}
+    slug = "".join(c if c.isalnum() else "-" for c in base.lower()).strip("-") or "base-model"
+    return {"license": "other", "license_name": f"{slug}-license",
+            "license_link": f"https://huggingface.co/{hub_base}" if hub_base else "LICENSE"}
+
+
 def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: str, images: dict[str, str],
-               license: Optional[str] = None, pipeline_class: Optional[type] = None, name: str = "diffalign-model"):
+               license: Optional[str] = None, pipeline_class: Optional[type] = None, name: str = "diffalign-model",
+               evaluation: Optional[list[str]] = None):
     """A ``huggingface_hub.ModelCard`` for an exported run.
 
     Args:
@@ -132,15 +156,19 @@ def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: 
     tags = ["diffalign", algorithm, family, "text-to-image", "diffusers"] + (["lora"] if fmt == "lora" else [])
     tags = [t for i, t in enumerate(tags) if t and t not in tags[:i]]
     flat = _flatten(config)
-    prompts = (config.get("prompts") or {})
-    prompt = next(iter((prompts.get("eval") or []) + (prompts.get("train") or [])), "a photo of a cat")
+    prompt = _widget_prompt(config, family)
     sampling = config.get("sampling") or {}
+    # base_model only when the base is a Hub model: the Hub checks that it names a repository, and the
+    # shipped shapes model and the tiny builds are made by diffalign, not downloaded (the card says so)
     data = ModelCardData(
-        base_model=hub_base, license=license, library_name="diffusers", pipeline_tag="text-to-image", tags=tags,
+        base_model=hub_base, **_license_fields(license, base, hub_base), library_name="diffusers",
+        pipeline_tag="text-to-image", tags=tags,
         model_name=name, widget=[{"text": prompt, "output": {"url": images["after"]}}] if "after" in images else None,
     )
     what = "LoRA adapter for" if fmt == "lora" else "Full pipeline (LoRA fused into the weights) of" if meta.get("lora") else "Fine-tuned"
-    base_ref = f"[`{base}`](https://huggingface.co/{hub_base})" if hub_base else f"`{base}`"
+    base_ref = (f"[`{base}`](https://huggingface.co/{hub_base})" if hub_base else
+                f"`{base}` (made by diffalign: {'the model shipped in the package' if family == 'shapes' and not base.startswith('tiny:') else 'a tiny model built in code'})"
+                if _is_own_model(base) else f"`{base}`")
     lines = [
         f"# {name}", "",
         f"{what} {base_ref} ({family}), aligned with **{algorithm}** on the **{reward}** reward for "
@@ -158,7 +186,9 @@ def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: 
                       "| before (base model) | after |", "|---|---|", f"| ![before]({images['before']}) | ![after]({images['after']}) |", ""]
         else:
             lines += ["Evaluation grid of the aligned model.", "", f"![after]({images['after']})", ""]
-    lines += ["## Evaluation", ""] + _eval_table(evals) + [""]
+    evaluation = list(evaluation or [])
+    has_table = any(line.startswith("|") for line in evaluation)  # ShapesWorld: intervals and paired differences
+    lines += ["## Evaluation", ""] + evaluation + ([] if has_table else _eval_table(evals) + [""])
     hparams = {k: v for k, v in flat.items() if (k.startswith("algorithm.") or k in CARD_HPARAMS) and v not in (None, {}, [])}
     lines += ["## Training", "", f"- base model: `{base}`", f"- algorithm: `{algorithm}`", f"- reward: `{reward}`",
               f"- iterations: {meta.get('iterations')}", f"- weights: {fmt}" + (f" (LoRA rank {meta['lora'].get('rank')}, alpha {meta['lora'].get('alpha')})" if meta.get("lora") else ""),

@@ -307,6 +307,26 @@ def _interval_section(title: str, before: dict | None, after: dict | None, first
     return lines + [""]
 
 
+def evaluation_summary(run_dir: str | Path) -> list[str] | None:
+    """The verdict and, for ShapesWorld runs, the held-out table with intervals and paired
+    differences, as markdown lines (what a model card quotes); None when the run logged no
+    evaluation."""
+    run_dir = Path(run_dir)
+    evals = [r for r in runs.MetricsLog(run_dir / "metrics.jsonl").read() if r.get("eval")]
+    if not evals:
+        return None
+    first, last = evals[0], evals[-1]
+    rec_a, rec_b = _read_eval_records(run_dir, first["iteration"]), _read_eval_records(run_dir, last["iteration"])
+    lines = [verdict(evals, rec_a, rec_b, _run_config(run_dir)), ""]
+    if (rec_a or rec_b or {}).get("heldout"):
+        from diffalign.evaluation import LEGEND
+
+        section = _interval_section("Held-out evaluation", (rec_a or {}).get("heldout"), (rec_b or {}).get("heldout"),
+                                    first["iteration"], last["iteration"])
+        lines += section[2:] + [LEGEND, ""]  # without the section's own heading
+    return lines
+
+
 def write_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     log = runs.MetricsLog(run_dir / "metrics.jsonl").read()

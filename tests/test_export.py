@@ -206,3 +206,99 @@ def test_live_push_to_a_private_repo(run, tmp_path, monkeypatch):
         assert api.model_info(repo_id).private
     finally:
         api.delete_repo(repo_id, missing_ok=True)
+
+
+def test_one_iteration_with_ema_on_changes_the_weights(tmp_path):
+    """The recipe's defaults (EMA on, decay 0.9 every 8 steps): one iteration must not leave final/
+    equal to the base, as an EMA first updated at step 8 would."""
+    from safetensors.torch import load_file
+
+    from diffalign.export import LORA_WEIGHTS_FILE, unchanged_weights
+    from tests.helpers.tiny_run import CONFIG, run_cli
+
+    out = tmp_path / "ema_run"
+    assert run_cli("train", CONFIG, f"output_dir={out}", "max_iterations=1", "log.progress_bar=false",
+                   "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2") == 0
+    meta = json.loads((out / "final" / "diffalign.json").read_text())
+    assert meta["weights"] == "ema" and meta["ema_updates"] == 1
+    lora_b = [v for k, v in load_file(str(out / "final" / LORA_WEIGHTS_FILE)).items() if "lora_B" in k]
+    assert lora_b and any(v.any() for v in lora_b)
+    assert unchanged_weights(out) is None
+    export = tmp_path / "ema_export"
+    assert main(["export", str(out), "--out", str(export)]) == 0
+    assert any(v.any() for k, v in load_file(str(export / LORA_WEIGHTS_FILE)).items() if "lora_B" in k)
+
+
+def test_export_warns_when_the_weights_equal_the_base(run, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from diffalign.export import LORA_WEIGHTS_FILE
+
+    copy = tmp_path / "zeroed"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("export", "checkpoints"))
+    weights = copy / "final" / LORA_WEIGHTS_FILE
+    tensors = load_file(str(weights))
+    save_file({k: torch.zeros_like(v) if "lora_B" in k else v for k, v in tensors.items()}, str(weights))
+    capsys.readouterr()
+    assert main(["export", str(copy), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    warnings = [line for line in err if line.startswith("warning: the exported weights equal the base model's")]
+    assert len(warnings) == 1
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "trained")]) == 0
+    assert "warning: the exported weights" not in capsys.readouterr().err
+
+
+def test_saved_pipelines_name_no_local_path(tmp_path):
+    """A fully fine-tuned final/ of the shipped model (loaded from inside the package) records the
+    model id, not the folder it was loaded from."""
+    from diffalign.export import save_trained_weights, unchanged_weights
+
+    adapter = load_adapter("shapes")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("model:\n  id: shapes\n")
+    save_trained_weights(adapter, run / "final", lora=False, metadata={"base_model": "shapes", "family": "shapes"})
+    for f in (run / "final").rglob("*.json"):
+        text = f.read_text()
+        assert "/" + "site-packages" not in text and str(tmp_path) not in text and "diffalign/assets" not in text, f
+    index = json.loads((run / "final" / "model_index.json").read_text())
+    assert index["_name_or_path"] == "shapes"
+    assert unchanged_weights(run) is not None  # the base itself, saved: nothing trained
+
+
+def _front_matter(card_file):
+    import yaml
+
+    text = card_file.read_text()
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1]), text
+
+
+def test_card_quotes_the_evaluation_with_intervals(lora_dir):
+    meta, text = _front_matter(lora_dir / "README.md")
+    assert meta["license"] == "apache-2.0" and "base_model" not in meta  # a tiny base: no Hub repository to name
+    assert "**Verdict:**" in text and "95 % paired bootstrap" in text
+    assert "a tiny model built in code" in text
+
+
+def test_card_license_other_names_the_license_and_shapes_widgets_use_the_grammar():
+    from diffalign.hub import model_card
+    from diffalign.shapes import parse_prompt
+
+    meta = {"base_model": "stabilityai/stable-diffusion-3.5-medium", "family": "sd3", "algorithm": "flow_grpo",
+            "reward": "pickscore", "iterations": 3, "lora": {"rank": 8, "alpha": 16}}
+    card = model_card(meta, {"prompts": {"eval": ["a watercolour fox"]}}, [], fmt="lora", where=".",
+                      images={"after": "images/after.png"})
+    data = card.data.to_dict()
+    assert data["base_model"] == "stabilityai/stable-diffusion-3.5-medium"
+    assert data["license"] == "other" and data["license_name"]
+    assert data["license_link"] == "https://huggingface.co/stabilityai/stable-diffusion-3.5-medium"
+    assert data["widget"][0]["text"] == "a watercolour fox"
+    shapes = model_card({**meta, "base_model": "shapes", "family": "shapes"}, {}, [], fmt="lora", where=".",
+                        images={"after": "images/after.png"})
+    prompt = shapes.data.to_dict()["widget"][0]["text"]
+    assert parse_prompt(prompt).family == "position"  # in the world's grammar, not "a photo of a cat"
+    assert "base_model" not in shapes.data.to_dict() and shapes.data.to_dict()["license"] == "apache-2.0"

@@ -72,22 +72,42 @@ def test_backend_keeps_ema_of_the_trainable_weights(accelerator):
         lin.weight.fill_(1.0)
     backend, _ = backend_for(lin, accelerator, "train.ema.enabled=true", "train.ema.decay=0.5", "train.ema.every=1")
     backend.accumulate(lin(torch.ones(1, 1)).sum())
-    backend.close_step(False)  # w: 1 -> 0.5; ema: 0.5 * 1 + 0.5 * 0.5
-    assert float(lin.weight.detach()) == 0.5 and float(backend.ema.shadow[0]) == 0.75
+    backend.close_step(False)  # w: 1 -> 0.5; first update, warm-up decay min(0.5, 1/10) = 0.1: ema 0.1 * 1 + 0.9 * 0.5
+    assert float(lin.weight.detach()) == 0.5 and float(backend.ema.shadow[0]) == pytest.approx(0.55)
     with backend.ema.swapped_in():
-        assert float(lin.weight.detach()) == 0.75
+        assert float(lin.weight.detach()) == pytest.approx(0.55)
     assert float(lin.weight.detach()) == 0.5
 
 
-def test_ema_updates_every_n_steps():
+def test_ema_updates_at_the_first_step_then_every_n_steps_with_a_warm_up():
     p = torch.nn.Parameter(torch.zeros(1))
     ema = EMA([p], decay=0.9, every=2)
     with torch.no_grad():
         p.fill_(1.0)
-    ema.update()
-    assert float(ema.shadow[0]) == 0.0  # not yet
-    ema.update()
-    assert float(ema.shadow[0]) == pytest.approx(0.1)
+    ema.update()  # step 1: the first update, d_0 = min(0.9, 1/10) = 0.1 -> 0.1 * 0 + 0.9 * 1
+    assert float(ema.shadow[0]) == pytest.approx(0.9) and ema.updates == 1
+    ema.update()  # step 2: not an update step
+    assert float(ema.shadow[0]) == pytest.approx(0.9) and ema.updates == 1
+    with torch.no_grad():
+        p.fill_(2.0)
+    ema.update()  # step 3: d_1 = 2/11 -> 2/11 * 0.9 + 9/11 * 2
+    assert float(ema.shadow[0]) == pytest.approx(2 / 11 * 0.9 + 9 / 11 * 2)
+    assert ema.current_decay() == pytest.approx(3 / 12)
+    ema.updates = 100
+    assert ema.current_decay() == 0.9  # warm-up over: the configured decay
+
+
+def test_ema_state_round_trips_and_reads_checkpoints_without_an_update_count():
+    p = torch.nn.Parameter(torch.ones(1))
+    ema = EMA([p], decay=0.9, every=8)
+    for _ in range(9):
+        ema.update()
+    other = EMA([torch.nn.Parameter(torch.zeros(1))], decay=0.9, every=8)
+    other.load_state_dict(ema.state_dict())
+    assert other.updates == 2 and other.steps == 9 and torch.equal(other.shadow[0], ema.shadow[0])
+    old = {"shadow": [torch.ones(1)], "steps": 17}  # written before updates were counted: one per 8 steps
+    other.load_state_dict(old)
+    assert other.updates == 2
 
 
 def test_reward_pool_counts_or_refuses_non_finite_rewards():

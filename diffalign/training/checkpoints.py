@@ -255,5 +255,9 @@ def _save_weights(trainer, final: Path, iteration: int) -> None:
         "base_model": cfg.model.id, "family": trainer.adapter.family, "model_options": dict(cfg.model.options),
         "algorithm": cfg.algorithm.name, "reward": cfg.reward.name,
         "iterations": iteration, "ema": trainer.ema is not None and cfg.eval.use_ema,
+        # which weights final/ holds: the EMA's (with how many averages it has taken) or the last trained
+        "weights": "ema" if trainer.ema is not None and cfg.eval.use_ema else "last",
+        "ema_decay": cfg.train.ema.decay if trainer.ema is not None else None,
+        "ema_updates": trainer.ema.updates if trainer.ema is not None else None,
         "lora": to_dict(cfg.lora) if cfg.lora.enabled else None,
     })

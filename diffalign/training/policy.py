@@ -89,24 +89,41 @@ def prepare_denoiser(adapter, cfg, needs_reference: bool) -> Policy:
 class EMA:
     """Exponential moving average of the trainable parameters, for evaluation and export.
 
-    Flow-GRPO applies ``ema = decay * ema + (1 - decay) * theta`` every ``every`` optimizer steps
-    (decay 0.9, every 8), i.e. a short memory that smooths the last few updates.
+    Flow-GRPO applies ``ema = d * ema + (1 - d) * theta`` every ``every`` optimizer steps (decay 0.9,
+    every 8), a short memory that smooths the last few updates. Two choices keep a short run's EMA
+    from being the initial weights:
+
+    - the first update comes at the first optimizer step (then steps 1 + every, 1 + 2 every, ...),
+      not at step ``every``, which a run of fewer steps never reaches;
+    - the decay warms up as diffusers' ``EMAModel`` does: the ``n``-th update (``n`` = 0, 1, ...)
+      uses ``d_n = min(decay, (1 + n) / (10 + n))`` (0.1, 0.18, 0.25, ...), so early averages follow
+      the trained weights instead of holding on to the initial ones.
     """
+
+    WARMUP_OFFSET = 10  # d_n = (1 + n) / (WARMUP_OFFSET + n), diffusers' EMAModel without use_ema_warmup
 
     def __init__(self, params: list[torch.nn.Parameter], decay: float, every: int):
         self.params = params
         self.decay = decay
         self.every = every
         self.shadow = [p.detach().clone().float() for p in params]
-        self.steps = 0
+        self.steps = 0  # optimizer steps seen
+        self.updates = 0  # averages applied (n)
+
+    def current_decay(self) -> float:
+        """The decay the next update uses: ``min(decay, (1 + n) / (10 + n))``."""
+        n = self.updates
+        return min(self.decay, (1 + n) / (self.WARMUP_OFFSET + n))
 
     @torch.no_grad()
     def update(self) -> None:
         self.steps += 1
-        if self.steps % self.every:
+        if (self.steps - 1) % self.every:
             return
+        d = self.current_decay()
         for s, p in zip(self.shadow, self.params):
-            s.mul_(self.decay).add_(p.detach().float(), alpha=1 - self.decay)
+            s.mul_(d).add_(p.detach().float(), alpha=1 - d)
+        self.updates += 1
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -123,9 +140,11 @@ class EMA:
                     p.copy_(b)
 
     def state_dict(self) -> dict:
-        return {"shadow": [s.clone() for s in self.shadow], "steps": self.steps}
+        return {"shadow": [s.clone() for s in self.shadow], "steps": self.steps, "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
         for s, v in zip(self.shadow, state["shadow"]):
             s.copy_(v)
         self.steps = state["steps"]
+        # checkpoints written before the warm-up counted no updates: they applied one every `every` steps
+        self.updates = state.get("updates", self.steps // self.every)
