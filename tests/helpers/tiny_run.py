@@ -8,9 +8,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/tiny/flow_grpo_sd3.yaml"
-# EMA off and a larger learning rate: one iteration must move the LoRA away from its zero-init B
-# (with EMA updated every 8 optimizer steps, final/ after one step would equal the base model),
-# so that "the export reproduces the trained model" cannot pass with an empty LoRA.
+# EMA off and a larger learning rate: one iteration must move the LoRA well away from its zero-init B
+# (the EMA's first average keeps a tenth of the initial weights), so that "the export reproduces
+# the trained model" cannot pass with a nearly empty LoRA.
 OVERRIDES = [
     "max_iterations=1", "log.progress_bar=false", "log.report=false", "eval.at_start=true",
     "sampling.eval_num_steps=2", "eval.samples_per_prompt=1", "train.ema.enabled=false", "optim.lr=1e-2",
