@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -278,9 +279,9 @@ def export_run(
     evals = [r for r in runs.MetricsLog(run_dir / "metrics.jsonl").read() if r.get("eval")]
 
     same = unchanged_weights(run_dir)
-    if same:
-        log(f"warning: the exported weights equal the base model's ({same}): the run changed nothing "
-            f"(too few updates, lr 0, or EMA weights that never averaged: see final/{METADATA_FILE} 'weights')")
+    if same:  # a warning that matters: on stderr under --quiet too
+        print(f"warning: the exported weights equal the base model's ({same}): the run changed nothing "
+            f"(too few updates, lr 0, or EMA weights that never averaged: see final/{METADATA_FILE} 'weights')", file=sys.stderr, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
