@@ -188,9 +188,11 @@ class OptimConfig:
 
 @dataclass
 class EmaConfig:
+    """EMA of the trainable weights for evaluation and final/ (diffalign.training.policy.EMA)."""
+
     enabled: bool = True
-    decay: float = 0.9  # Flow-GRPO: 0.9 ...
-    every: int = 8  # ... applied every 8 optimizer steps
+    decay: float = 0.9  # Flow-GRPO: 0.9 ... (the n-th average uses min(decay, (1 + n) / (10 + n)): a warm-up)
+    every: int = 8  # ... applied every 8 optimizer steps, from the first one on (a 1-step run has averaged once)
 
     def validate(self) -> None:
         check(0 <= self.decay < 1, "train.ema.decay", "must be in [0, 1)")

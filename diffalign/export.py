@@ -4,8 +4,9 @@
 - :func:`load_trained_adapter`: base model + ``final/`` back as an adapter;
 - :func:`export_run`: ``diffalign export``: a self-contained folder for the Hub, either the
   LoRA (``pipe.load_lora_weights(folder)``) or the LoRA fused into the base and the whole
-  pipeline saved (``DiffusionPipeline.from_pretrained(folder)``), with a model card and the
-  before / after sample grids. Uploading it is :mod:`diffalign.hub`.
+  pipeline saved (``DiffusionPipeline.from_pretrained(folder)``), with a model card, a before /
+  after pair of one prompt (the card's widget) and the before / after evaluation grids. Uploading
+  it is :mod:`diffalign.hub`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from diffalign.report import evaluation_summary
 EXPORT_FORMATS = ("lora", "merged")
 LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 METADATA_FILE = "diffalign.json"
+WIDGET_FILE = "images/widget.png"  # the card's widget image: one prompt, base | trained, same noise
+WIDGET_TILE_PX = 256  # each image of the pair shown this wide (ShapesWorld's 32 px enlarged 8x, nearest)
 
 
 def denoiser_attr(adapter: ModelAdapter) -> str:
@@ -234,6 +237,88 @@ def _side_by_side(before: Path, after: Path, out: Path, gap: int = 8) -> None:
     canvas.save(out)
 
 
+def _eval_prompts(run_dir: Path) -> list[str]:
+    """The run's evaluation prompts as resolved at its start (``prompts.json``), [] when absent."""
+    try:
+        prompts = json.loads((run_dir / "prompts.json").read_text()).get("eval")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [p for p in prompts if isinstance(p, str)] if isinstance(prompts, list) else []
+
+
+def widget_pair(adapter: ModelAdapter, meta: dict, config: dict, prompt: str, out: Path) -> dict:
+    """Draw ``prompt`` with the base model and with the trained one (``adapter``, loaded from
+    ``final/``) from the same noise, and write the two side by side to ``out``: the card's widget
+    image. Returns what the card says about it (prompt, seed, num_steps, guidance_scale).
+
+    The sampler, steps, guidance scale, resolution and seed are the run's evaluation settings
+    (:func:`diffalign.sampling.sample_images`: ODE, ``eval.seed``). The base is the same network
+    with its LoRA disabled, or for full fine-tuning the base model loaded beside it. A video
+    shows its first frame."""
+    from diffalign.adapters import load_adapter
+    from diffalign.config import EvalConfig, SamplingConfig
+    from diffalign.images import labelled_grid, save_png
+    from diffalign.sampling import sample_images
+
+    # a key missing from config.yaml: what the run ran with, the config's default
+    sampling, model, evaluation = (config.get(k) or {} for k in ("sampling", "model", "eval"))
+    settings = {"num_steps": int(sampling.get("eval_num_steps", SamplingConfig.eval_num_steps)),
+                "guidance_scale": float(sampling.get("guidance_scale", SamplingConfig.guidance_scale)),
+                "resolution": int(model.get("resolution") or adapter.default_resolution),
+                "seed": int(evaluation.get("seed", EvalConfig.seed))}
+
+    def draw(model_adapter: ModelAdapter) -> torch.Tensor:
+        images = sample_images(model_adapter, [prompt], batch_size=1, **settings)
+        return images[:, 0] if images.ndim == 5 else images  # (1, 3, H, W)
+
+    after = draw(adapter)
+    if meta.get("format") == "lora":
+        adapter.pipeline.disable_lora()
+        try:
+            before = draw(adapter)
+        finally:
+            adapter.pipeline.enable_lora()
+    else:
+        base = load_adapter(str(meta["base_model"]), family=meta.get("family", "auto"), device=adapter.device,
+                            dtype=adapter.dtype, **(meta.get("model_options") or {}))
+        before = draw(base)
+        del base
+    grid = labelled_grid(torch.cat([before, after]).float(), ["before (base model)", "after (trained)"],
+                         nrow=2, tile=WIDGET_TILE_PX)
+    save_png(grid, out)
+    return {"prompt": prompt, "seed": settings["seed"], "num_steps": settings["num_steps"],
+            "guidance_scale": settings["guidance_scale"]}
+
+
+def paired_reward_differences(run_dir: Path, evals: list[dict]) -> dict:
+    """``{"eval/reward_mean": Difference}``: the last evaluation's mean reward minus the first's with
+    its 95 % paired bootstrap interval over prompts, from the per-image rewards the evaluator keeps
+    in ``eval_records/`` (the pairing :mod:`diffalign.report` uses for its verdict). Empty when the
+    two evaluations cannot be paired (no records, other prompts, one evaluation only)."""
+    from diffalign import stats
+    from diffalign.training.evaluator import eval_records_path
+
+    if len(evals) < 2 or evals[0]["iteration"] == evals[-1]["iteration"]:
+        return {}
+    values = []
+    for e in (evals[0], evals[-1]):
+        try:
+            saved = json.loads(eval_records_path(run_dir, e["iteration"]).read_text()).get("rewards") or {}
+        except (OSError, ValueError, AttributeError):
+            return {}
+        values.append((saved.get("prompts"), saved.get("values")))
+    (prompts_a, a), (prompts_b, b) = values
+    if not (isinstance(a, list) and isinstance(b, list)) or prompts_a != prompts_b or len(a) != len(b):
+        return {}
+    keep = [i for i, (x, y) in enumerate(zip(a, b)) if isinstance(x, (int, float)) and isinstance(y, (int, float))]
+    if not keep:
+        return {}
+    # one stratum; the reward as the "partial" score, so that the partial metric is the mean reward
+    records = [[{"prompt": prompts_a[i], "family": "all", "passed": False, "score": v[i]} for i in keep] for v in (a, b)]
+    diff = stats.paired_difference(*records, resamples=stats.DEFAULT_RESAMPLES, seed=stats.DEFAULT_SEED)
+    return {"eval/reward_mean": diff["partial"]}
+
+
 def export_run(
     run_dir: str | os.PathLike,
     fmt: str = "lora",
@@ -259,7 +344,10 @@ def export_run(
         license: the card's license (default: ``apache-2.0`` for diffalign's own models, else
             ``other``: a model derived from a base model inherits its license).
     Also written: ``README.md`` (model card, see :func:`diffalign.hub.model_card`),
-    ``images/`` (before / after eval grids) and ``diffalign.json``.
+    ``images/widget.png`` (one prompt drawn by the base and the trained model from the same noise:
+    :func:`widget_pair`), ``images/`` before / after eval grids, ``diffalign.json``, and
+    ``LICENSE`` when the card's ``license_link`` points at it. Prints one ``warning:`` line on
+    stderr when the weights equal the base model's (:func:`unchanged_weights`).
     """
     import yaml
 
@@ -275,48 +363,58 @@ def export_run(
     out = Path(out) if out is not None else run_dir / "export" / fmt
     _check_out_dir(out, run_dir)
     config = portable(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
-    meta = portable(meta)
+    local_meta, meta = meta, portable(meta)  # the first loads the base (a local folder's path), the second is written
     evals = [r for r in runs.MetricsLog(run_dir / "metrics.jsonl").read() if r.get("eval")]
 
     same = unchanged_weights(run_dir)
     if same:  # a warning that matters: on stderr under --quiet too
         print(f"warning: the exported weights equal the base model's ({same}): the run changed nothing "
-            f"(too few updates, lr 0, or EMA weights that never averaged: see final/{METADATA_FILE} 'weights')", file=sys.stderr, flush=True)
+              f"(too few updates, lr 0, or EMA weights that never averaged: see final/{METADATA_FILE} 'weights')",
+              file=sys.stderr, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
-        if fmt == "lora":
-            shutil.copy2(_regular_file(run_dir / "final" / LORA_WEIGHTS_FILE), tmp / LORA_WEIGHTS_FILE)
-            pipeline_class = None
-        else:
-            from diffalign import progress
+        from diffalign import progress
 
-            log(f"fusing the trained weights into {meta['base_model']} ...")
-            # two long steps without finer progress: the bar's clock keeps ticking through them
-            with progress.bar(total=2, desc="export merged", unit="step") as bar:
-                bar.set_postfix_str("loading and fusing")
-                adapter = merged_adapter(run_dir)
-                bar.update(1)
-                bar.set_postfix_str("writing the pipeline")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        prompt = hub.widget_prompt(config, meta.get("family"), _eval_prompts(run_dir))
+        with progress.bar(total=3 if fmt == "merged" else 2, desc=f"export {fmt}", unit="step") as bar:
+            # long steps without finer progress: the bar's clock keeps ticking through them. One load
+            # (fp32: the fusion's precision) serves the widget pair and, for merged exports, the fusion.
+            bar.set_postfix_str("loading the trained model")
+            adapter = load_trained_adapter(run_dir, device=device)
+            bar.update(1)
+            bar.set_postfix_str("drawing the before / after pair")
+            widget = {**widget_pair(adapter, local_meta, config, prompt, tmp / WIDGET_FILE), "image": WIDGET_FILE}
+            bar.update(1)
+            if fmt == "lora":
+                shutil.copy2(_regular_file(run_dir / "final" / LORA_WEIGHTS_FILE), tmp / LORA_WEIGHTS_FILE)
+                pipeline_class = None
+            else:
+                log(f"fusing the trained weights into {meta['base_model']} ...")
+                bar.set_postfix_str("fusing and writing the pipeline")
+                if meta.get("format") == "lora":
+                    fuse_lora(adapter)
                 adapter.pipeline.save_pretrained(str(tmp), safe_serialization=True)
                 scrub_local_paths(tmp, str(meta["base_model"]))
+                pipeline_class = type(adapter.pipeline)
                 bar.update(1)
-            pipeline_class = type(adapter.pipeline)
-            del adapter
+        del adapter
         grids = eval_grids(run_dir, evals)
         images = {}
-        if grids:
-            (tmp / "images").mkdir()
-            for name, src in grids.items():
-                shutil.copy2(_regular_file(src), tmp / "images" / f"{name}.png")
-                images[name] = f"images/{name}.png"
-            if len(grids) == 2:
-                _side_by_side(tmp / "images" / "before.png", tmp / "images" / "after.png", tmp / "images" / "before_after.png")
-                images["before_after"] = "images/before_after.png"
+        for name, src in grids.items():
+            shutil.copy2(_regular_file(src), tmp / "images" / f"{name}.png")
+            images[name] = f"images/{name}.png"
+        if len(grids) == 2:
+            _side_by_side(tmp / "images" / "before.png", tmp / "images" / "after.png", tmp / "images" / "before_after.png")
+            images["before_after"] = "images/before_after.png"
         card = hub.model_card(meta, config, evals, fmt=fmt, where=repo_id or ".", images=images,
                               license=license, pipeline_class=pipeline_class, name=f"{run_dir.name}-{fmt}",
-                              evaluation=evaluation_summary(run_dir))
+                              evaluation=evaluation_summary(run_dir), widget=widget,
+                              differences=paired_reward_differences(run_dir, evals))
         card.save(tmp / "README.md")
+        if card.data.to_dict().get("license_link") == hub.LICENSE_FILE:  # the card links it: it must exist
+            (tmp / hub.LICENSE_FILE).write_text(hub.license_file_text(str(meta["base_model"])))
         info = {k: v for k, v in meta.items() if k != "format"}
         info["format"] = fmt
         info["export"] = {"diffalign_version": __version__, "run": run_dir.resolve().name, "repo_id": repo_id,
@@ -330,15 +428,20 @@ def export_run(
     return out
 
 
+def fuse_lora(adapter: ModelAdapter) -> None:
+    """Fuse the loaded LoRA into the base weights in place (diffusers' own ``fuse_lora`` +
+    ``unload_lora_weights``), so that ``pipeline.save_pretrained`` writes plain weights."""
+    pipe = adapter.pipeline
+    if not hasattr(pipe, "fuse_lora"):
+        raise RunDirError(f"{type(pipe).__name__} cannot fuse LoRA weights (no LoRA loader mixin)")
+    pipe.fuse_lora(components=[denoiser_attr(adapter)], lora_scale=1.0)
+    pipe.unload_lora_weights()  # after fuse_lora this keeps the fused weights and drops the peft layers
+
+
 def merged_adapter(run_dir: str | os.PathLike, *, device="cpu", dtype=torch.float32) -> ModelAdapter:
-    """The run's trained model with its LoRA fused into the base weights (diffusers' own
-    ``fuse_lora`` + ``unload_lora_weights``), so that ``pipeline.save_pretrained`` writes plain
-    weights. A fully fine-tuned run is returned as loaded."""
+    """The run's trained model with its LoRA fused into the base weights (:func:`fuse_lora`). A
+    fully fine-tuned run is returned as loaded."""
     adapter = load_trained_adapter(run_dir, device=device, dtype=dtype)
     if read_final_metadata(Path(run_dir)).get("format") == "lora":
-        pipe = adapter.pipeline
-        if not hasattr(pipe, "fuse_lora"):
-            raise RunDirError(f"{type(pipe).__name__} cannot fuse LoRA weights (no LoRA loader mixin)")
-        pipe.fuse_lora(components=[denoiser_attr(adapter)], lora_scale=1.0)
-        pipe.unload_lora_weights()  # after fuse_lora this keeps the fused weights and drops the peft layers
+        fuse_lora(adapter)
     return adapter

@@ -25,6 +25,8 @@ CARD_HPARAMS = (
     "train.optimizer_steps_per_iteration", "train.inner_epochs", "train.mixed_precision",
     "train.ema.enabled", "train.ema.decay", "train.ema.every",
 )
+FALLBACK_PROMPT = "a photo of a cat"  # the widget prompt of a run whose prompts are unknown
+LICENSE_FILE = "LICENSE"  # license_link of a "license: other" card whose base has no Hub page
 # Pipelines that are not part of diffusers: where their class is imported from.
 NON_DIFFUSERS_PIPELINES = {"ShapesPipeline": "diffalign.shapes.pipeline"}
 EVAL_SKIP = ("eval/seconds", "eval/num_images", "eval/probe/num_images")
@@ -63,7 +65,7 @@ def _is_own_model(base: str) -> bool:
 
 
 def loading_snippet(meta: dict, fmt: str, where: str, *, pipeline_class: Optional[type] = None,
-                    prompt: str = "a photo of a cat", steps: int = 28, guidance_scale: float = 4.5) -> str:
+                    prompt: str = FALLBACK_PROMPT, steps: int = 28, guidance_scale: float = 4.5) -> str:
     """Python that loads the export (``where``: Hub repo id or local folder) and draws one image."""
     from diffalign.adapters import DEFAULT_ALIASES, PIPELINE_FAMILIES, TINY_PREFIX
 
@@ -95,7 +97,19 @@ def _eval_cell(record: dict, key: str) -> str:
     return f"{record[key]:.4f}{bounds}"
 
 
-def _eval_table(evals: list[dict]) -> list[str]:
+def _change_cell(key: str, a: float, b: float, differences: dict) -> str:
+    """``+0.0020 [+0.0010, +0.0030]`` with the paired interval of ``differences[key]``; the bare
+    difference when the per-image values that pairing needs were not recorded."""
+    d = differences.get(key)
+    if d is None:
+        return f"{b - a:+.4f}"
+    return f"{d.value:+.4f} [{d.lo:+.4f}, {d.hi:+.4f}]"
+
+
+def _eval_table(evals: list[dict], differences: Optional[dict] = None) -> list[str]:
+    """The first and the last evaluation of ``evals`` side by side; ``differences``:
+    ``{metric key: stats.Difference}``, the paired intervals the change column shows."""
+    differences = differences or {}
     if not evals:
         return ["No evaluation was logged."]
     first, last = evals[0], evals[-1]
@@ -105,50 +119,96 @@ def _eval_table(evals: list[dict]) -> list[str]:
     if before is None:
         rows = ["| metric | value |", "|---|---:|"] + [f"| {k[5:]} | {_eval_cell(last, k)} |" for k in keys]
         return [f"Held-out evaluation at iteration {last['iteration']} ({last.get('eval/num_images', '?')} images):", ""] + rows
-    rows = ["| metric | before (base) | after | change |", "|---|---:|---:|---:|"]
+    rows = ["| metric | before (base) | after | change [95 % paired interval] |", "|---|---:|---:|---:|"]
+    bare = []
     for k in keys:
         a, b = before.get(k), last[k]
         if isinstance(a, (int, float)):
-            rows.append(f"| {k[5:]} | {_eval_cell(before, k)} | {_eval_cell(last, k)} | {b - a:+.4f} |")
+            rows.append(f"| {k[5:]} | {_eval_cell(before, k)} | {_eval_cell(last, k)} | {_change_cell(k, a, b, differences)} |")
+            bare += [k[5:]] if k not in differences else []
+    note = ([] if not bare else ["", f"Paired intervals: bootstrap over prompts from the per-image values; "
+                                 f"{', '.join(bare)}: no per-image values recorded, so no interval."])
     return [f"Held-out evaluation, iteration 0 vs {last['iteration']} (same prompts and seed, "
-            f"{last.get('eval/num_images', '?')} images):", ""] + rows
+            f"{last.get('eval/num_images', '?')} images):", ""] + rows + note
 
 
-def _widget_prompt(config: dict, family: Optional[str]) -> str:
-    """A prompt from the base model's own domain: the run's first evaluation or training prompt;
-    for ShapesWorld (whose prompts come from its grammar, not the config) the first held-out prompt
-    that relates two objects."""
+def widget_prompt(config: dict, family: Optional[str], eval_prompts: Optional[list[str]] = None) -> str:
+    """A prompt from the base model's own domain, for the widget and the loading snippet.
+
+    ShapesWorld (the shipped model knows only its grammar): the first held-out prompt that relates
+    two objects. Other bases: the run's first evaluation prompt as resolved at its start
+    (``eval_prompts``, from ``prompts.json``), else the config's first evaluation or training
+    prompt, else :data:`FALLBACK_PROMPT`."""
     if family == "shapes":
         from diffalign.shapes import prompt_family, prompt_set
 
         held_out = prompt_set("heldout")
         return next((p for p in held_out if prompt_family(p) == "position"), held_out[0])
     prompts = config.get("prompts") or {}
-    return next(iter((prompts.get("eval") or []) + (prompts.get("train") or [])), "a photo of a cat")
+    listed = [p for p in (prompts.get("eval") or []) + (prompts.get("train") or []) if isinstance(p, str)]
+    return next(iter(list(eval_prompts or []) + listed), FALLBACK_PROMPT)
 
 
 def _license_fields(license: str, base: str, hub_base: Optional[str]) -> dict:
     """The Hub's license fields: ``license: other`` always comes with ``license_name`` and
-    ``license_link`` (the base model's page, whose license a derived model inherits)."""
+    ``license_link``: the base model's page, whose license a derived model inherits, or for a base
+    with no Hub page the :data:`LICENSE_FILE` the export writes beside the card (the Hub accepts a
+    link to a file of the repo)."""
     if license != "other":
         return {"license": license}
-    slug = "".join(c if c.isalnum() else "-" for c in base.lower()).strip("-") or "base-model"
+    slug = "".join(c if c.isalnum() else "-" for c in Path(base).name.lower()).strip("-") or "base-model"
     return {"license": "other", "license_name": f"{slug}-license",
-            "license_link": f"https://huggingface.co/{hub_base}" if hub_base else "LICENSE"}
+            "license_link": f"https://huggingface.co/{hub_base}" if hub_base else LICENSE_FILE}
+
+
+def license_file_text(base: str) -> str:
+    """:data:`LICENSE_FILE` of an export whose base has no Hub page to link."""
+    return (f"These weights were trained with diffalign from the base model `{Path(base).name}`, which has no "
+            "Hugging Face Hub page to link.\nThey derive from that model: its license applies to them.\n")
+
+
+def _base_model_note(base: str, family: Optional[str], hub_base: Optional[str]) -> str:
+    """Why the front matter has no ``base_model``: the Hub takes only the id of a Hub model there
+    (it links the page and lists the model among the base's fine-tunes and adapters), and a base
+    made by diffalign or read from a local folder has no such page."""
+    from diffalign.adapters import TINY_PREFIX
+
+    if hub_base:
+        return ""
+    made = ("a local folder" if not _is_own_model(base) else "a tiny model built in code by diffalign"
+            if base.startswith(TINY_PREFIX) else "the model shipped in the diffalign package")
+    return f" (no `base_model` in the metadata: the Hub accepts only a Hub model id there, and this base is {made})"
+
+
+def _weights_held(meta: dict) -> str:
+    """Which weights ``final/`` held: the EMA's (with its decay and number of averages) or the last."""
+    if meta.get("weights") == "ema" or (meta.get("weights") is None and meta.get("ema")):
+        updates = meta.get("ema_updates")
+        return (f"the exponential moving average of the weights (decay {meta.get('ema_decay')}"
+                + (f", {updates} average{'' if updates == 1 else 's'}" if updates is not None else "") + ")")
+    return "the weights of the last optimizer step"
 
 
 def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: str, images: dict[str, str],
                license: Optional[str] = None, pipeline_class: Optional[type] = None, name: str = "diffalign-model",
-               evaluation: Optional[list[str]] = None):
+               evaluation: Optional[list[str]] = None, widget: Optional[dict] = None, differences: Optional[dict] = None):
     """A ``huggingface_hub.ModelCard`` for an exported run.
 
     Args:
-        meta: ``final/diffalign.json`` (base_model, family, algorithm, reward, iterations, lora).
+        meta: ``final/diffalign.json`` (base_model, family, algorithm, reward, iterations, lora, weights).
         config: the run's ``config.yaml`` as a dict; evals: its eval records (``"eval": true``).
         fmt: ``lora`` or ``merged``; where: Hub repo id or local folder for the snippet.
-        images: ``{"before"|"after"|"before_after": path in the folder}``.
+        images: ``{"before"|"after"|"before_after": path in the folder}``: the evaluation grids.
+        evaluation: markdown lines to quote (the run report's verdict and, for ShapesWorld, its
+            held-out table with intervals and paired differences).
+        widget: the before / after pair of one prompt (:func:`diffalign.export.widget_pair`:
+            ``prompt``, ``image``, ``seed``, ``num_steps``, ``guidance_scale``): the widget's prompt
+            and image. Without it the widget has a prompt of the base's domain and no image.
+        differences: ``{metric key: stats.Difference}``, the paired intervals of the change column.
     """
     from huggingface_hub import ModelCard, ModelCardData
+
+    from diffalign.config import SamplingConfig
 
     base, algorithm, reward, family = str(meta["base_model"]), meta.get("algorithm"), meta.get("reward"), meta.get("family")
     hub_base = _hub_base_model(base)
@@ -156,14 +216,13 @@ def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: 
     tags = ["diffalign", algorithm, family, "text-to-image", "diffusers"] + (["lora"] if fmt == "lora" else [])
     tags = [t for i, t in enumerate(tags) if t and t not in tags[:i]]
     flat = _flatten(config)
-    prompt = _widget_prompt(config, family)
+    prompt = widget["prompt"] if widget else widget_prompt(config, family)
     sampling = config.get("sampling") or {}
-    # base_model only when the base is a Hub model: the Hub checks that it names a repository, and the
-    # shipped shapes model and the tiny builds are made by diffalign, not downloaded (the card says so)
+    # base_model only when the base is a Hub model (see _base_model_note; the card's text names the base either way)
     data = ModelCardData(
         base_model=hub_base, **_license_fields(license, base, hub_base), library_name="diffusers",
-        pipeline_tag="text-to-image", tags=tags,
-        model_name=name, widget=[{"text": prompt, "output": {"url": images["after"]}}] if "after" in images else None,
+        pipeline_tag="text-to-image", tags=tags, model_name=name,
+        widget=[{"text": prompt, **({"output": {"url": widget["image"]}} if widget else {})}],
     )
     what = "LoRA adapter for" if fmt == "lora" else "Full pipeline (LoRA fused into the weights) of" if meta.get("lora") else "Fine-tuned"
     base_ref = (f"[`{base}`](https://huggingface.co/{hub_base})" if hub_base else
@@ -176,22 +235,29 @@ def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: 
         + (" (exponential moving average of the weights)." if meta.get("ema") else "."), "",
         "## Use", "", "```python",
         loading_snippet(meta, fmt, where, pipeline_class=pipeline_class, prompt=prompt,
-                        steps=int(sampling.get("eval_num_steps") or 28), guidance_scale=float(sampling.get("guidance_scale") or 4.5)),
+                        steps=int(sampling.get("eval_num_steps", SamplingConfig.eval_num_steps)),
+                        guidance_scale=float(sampling.get("guidance_scale", SamplingConfig.guidance_scale))),
         "```", "",
     ]
-    if images:
+    if widget or images:
         lines += ["## Samples: before / after", ""]
-        if "before" in images:
-            lines += ["Evaluation grids of the base model (left) and the aligned model (right), same prompts and seed.", "",
-                      "| before (base model) | after |", "|---|---|", f"| ![before]({images['before']}) | ![after]({images['after']}) |", ""]
-        else:
-            lines += ["Evaluation grid of the aligned model.", "", f"![after]({images['after']})", ""]
+    if widget:
+        lines += [f"One prompt, the same noise: the base model (left) and the aligned model (right), drawn with the run's "
+                  f"evaluation sampler ({widget['num_steps']} ODE steps, guidance scale {widget['guidance_scale']:g}, "
+                  f"seed {widget['seed']}).", "", f"*{prompt}*", "", f"![before / after]({widget['image']})", ""]
+    if "before" in images and "after" in images:
+        lines += ["Evaluation grids of the base model (left) and the aligned model (right), same prompts and seed.", "",
+                  "| before (base model) | after |", "|---|---|", f"| ![before]({images['before']}) | ![after]({images['after']}) |", ""]
+    elif "after" in images:
+        lines += ["Evaluation grid of the aligned model.", "", f"![after]({images['after']})", ""]
     evaluation = list(evaluation or [])
     has_table = any(line.startswith("|") for line in evaluation)  # ShapesWorld: intervals and paired differences
-    lines += ["## Evaluation", ""] + evaluation + ([] if has_table else _eval_table(evals) + [""])
+    lines += ["## Evaluation", ""] + evaluation + ([] if has_table else _eval_table(evals, differences) + [""])
     hparams = {k: v for k, v in flat.items() if (k.startswith("algorithm.") or k in CARD_HPARAMS) and v not in (None, {}, [])}
-    lines += ["## Training", "", f"- base model: `{base}`", f"- algorithm: `{algorithm}`", f"- reward: `{reward}`",
-              f"- iterations: {meta.get('iterations')}", f"- weights: {fmt}" + (f" (LoRA rank {meta['lora'].get('rank')}, alpha {meta['lora'].get('alpha')})" if meta.get("lora") else ""),
+    lines += ["## Training", "", f"- base model: `{base}`" + _base_model_note(base, family, hub_base),
+              f"- algorithm: `{algorithm}`", f"- reward: `{reward}`", f"- iterations: {meta.get('iterations')}",
+              f"- weights: {fmt}" + (f" (LoRA rank {meta['lora'].get('rank')}, alpha {meta['lora'].get('alpha')})" if meta.get("lora") else "")
+              + f", {_weights_held(meta)}",
               "", "| hyperparameter | value |", "|---|---|"] + [f"| `{k}` | `{v}` |" for k, v in hparams.items()] + [""]
     lines += ["## License", "",
               f"`{license}`." + ("" if _is_own_model(base) else f" These weights derive from `{base}`: its license applies."), ""]

@@ -13,11 +13,12 @@ from diffalign.cli import main
 from diffalign.export import load_trained_adapter, merged_adapter
 from diffalign.hub import upload_operations
 from diffalign.sampling import sample_images
-from tests.helpers.tiny_run import trained_run
+from tests.helpers.tiny_run import ROOT, trained_run
 
 PROMPTS = ["a cat", "a red car"]
 SAMPLE = dict(num_steps=4, guidance_scale=4.5, resolution=32, seed=7)
-CARD_FILES = {"README.md", "diffalign.json", "images/before.png", "images/after.png", "images/before_after.png"}
+CARD_FILES = {"README.md", "diffalign.json", "images/widget.png", "images/before.png", "images/after.png",
+              "images/before_after.png"}
 FUSED_TOL = 1e-5  # fused W + s*B@A vs unfused W x + s*B(A x): fp32 rounding only
 
 
@@ -83,18 +84,59 @@ def test_model_card_parses_and_says_what_was_trained(lora_dir):
     assert "| reward_mean |" in text and "before (base)" in text  # eval before / after from metrics.jsonl
     assert "`optim.lr` | `0.01`" in text and "`algorithm.beta`" in text and "`lora.rank` | `8`" in text
     assert "![before](images/before.png)" in text and "![after](images/after.png)" in text
-    for image in ("before", "after", "before_after"):
+    assert data["widget"] == [{"text": "a cat", "output": {"url": "images/widget.png"}}]  # the first eval prompt
+    for image in ("widget", "before", "after", "before_after"):
         assert (lora_dir / "images" / f"{image}.png").stat().st_size > 0
     meta = json.loads((lora_dir / "diffalign.json").read_text())
     assert meta["format"] == "lora" and meta["algorithm"] == "flow_grpo" and "export" in meta
 
 
 def test_exported_files_name_no_local_path(run, lora_dir, merged_dir):
-    for folder in (lora_dir, merged_dir):
-        for f in folder.rglob("*"):
-            if f.is_file() and f.suffix in (".md", ".json"):
-                text = f.read_text()
-                assert str(run.resolve().parent) not in text and str(folder) not in text, f
+    """Every file, text or binary (safetensors headers too), of both exports and of final/."""
+    roots = {str(run.resolve().parents[1]), str(lora_dir.resolve().parents[1]), str(ROOT), "site-packages"}
+    for folder in (lora_dir, merged_dir, run / "final"):
+        files = [f for f in folder.rglob("*") if f.is_file()]
+        assert files
+        for f in files:
+            data = f.read_bytes()
+            assert not [r for r in roots if r.encode() in data], f
+
+
+def test_widget_is_one_prompt_drawn_by_base_and_trained_model_from_the_same_noise(run, lora_dir):
+    """images/widget.png: the widget prompt by the base (left) and the trained model (right) with
+    the run's evaluation sampler and seed, each tile the 32 px image enlarged 8x (nearest)."""
+    import numpy as np
+    import yaml
+    from PIL import Image
+
+    from diffalign.export import WIDGET_TILE_PX
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    settings = dict(num_steps=cfg["sampling"]["eval_num_steps"], guidance_scale=cfg["sampling"]["guidance_scale"],
+                    resolution=32, seed=cfg["eval"]["seed"], batch_size=1)
+    expected = [sample_images(load_adapter("tiny:sd3"), ["a cat"], **settings),
+                sample_images(load_trained_adapter(run), ["a cat"], **settings)]
+    assert not torch.equal(*expected)
+    pixels = np.asarray(Image.open(lora_dir / "images" / "widget.png").convert("RGB"))
+    step = WIDGET_TILE_PX // 32
+    for i, images in enumerate(expected):
+        x0 = 2 + i * (WIDGET_TILE_PX + 2)  # labelled_grid: a 2 px border around each tile
+        tile = pixels[2 + step // 2: 2 + WIDGET_TILE_PX: step, x0 + step // 2: x0 + WIDGET_TILE_PX: step]
+        want = (images[0].clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+        assert np.array_equal(tile, want), i
+    text = (lora_dir / "README.md").read_text()
+    assert "*a cat*" in text and f"seed {cfg['eval']['seed']}" in text
+
+
+def test_card_change_column_has_paired_intervals(run, lora_dir):
+    from diffalign import stats
+
+    saved = [json.loads((run / "eval_records" / f"iter-{i:06d}.json").read_text())["rewards"] for i in (0, 1)]
+    # the per-image rewards as one-family stats records, the reward as the partial score
+    a, b = ([{"prompt": p, "family": "all", "passed": False, "score": v} for p, v in zip(r["prompts"], r["values"])] for r in saved)
+    d = stats.paired_difference(a, b)["partial"]
+    row = next(line for line in (lora_dir / "README.md").read_text().splitlines() if line.startswith("| reward_mean |"))
+    assert row.endswith(f"| {d.value:+.4f} [{d.lo:+.4f}, {d.hi:+.4f}] |"), row
 
 
 def test_symlinks_are_refused_in_uploads(lora_dir, tmp_path):
@@ -230,6 +272,8 @@ def test_one_iteration_with_ema_on_changes_the_weights(tmp_path):
 
 
 def test_export_warns_when_the_weights_equal_the_base(run, tmp_path, capsys):
+    """final/ with every lora_B at its zero init (what an EMA that never averaged exported; optim.lr
+    must be > 0, so no run config gives it): the export says so in one line."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -246,7 +290,6 @@ def test_export_warns_when_the_weights_equal_the_base(run, tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     warnings = [line for line in err if line.startswith("warning: the exported weights equal the base model's")]
     assert len(warnings) == 1
-    capsys.readouterr()
     assert main(["export", str(run), "--out", str(tmp_path / "trained")]) == 0
     assert "warning: the exported weights" not in capsys.readouterr().err
 
@@ -302,3 +345,31 @@ def test_card_license_other_names_the_license_and_shapes_widgets_use_the_grammar
     prompt = shapes.data.to_dict()["widget"][0]["text"]
     assert parse_prompt(prompt).family == "position"  # in the world's grammar, not "a photo of a cat"
     assert "base_model" not in shapes.data.to_dict() and shapes.data.to_dict()["license"] == "apache-2.0"
+
+
+def test_license_other_without_a_hub_base_links_a_license_file_of_the_export(run, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from diffalign.export import export_run
+
+    out = export_run(run, "lora", tmp_path / "other", license="other")
+    meta, _ = _front_matter(out / "README.md")
+    assert meta["license"] == "other" and meta["license_name"] == "tiny-sd3-license" and meta["license_link"] == "LICENSE"
+    assert "tiny:sd3" in (out / "LICENSE").read_text()
+    assert ModelCard.load(out / "README.md").data.to_dict()["license_link"] == "LICENSE"
+
+
+def test_card_of_a_local_base_has_valid_front_matter_and_no_path():
+    import yaml
+
+    from diffalign.export import portable
+    from diffalign.hub import model_card
+
+    meta = portable({"base_model": "/home/someone/models/my-sd3", "family": "sd3", "algorithm": "flow_grpo",
+                     "reward": "pickscore", "iterations": 2, "lora": {"rank": 4, "alpha": 4}, "weights": "last"})
+    card = model_card(meta, {}, [], fmt="lora", where=".", images={})
+    front = yaml.safe_load(str(card).split("---\n")[1])
+    assert "base_model" not in front and front["license"] == "other"
+    assert front["license_name"] == "my-sd3-license" and front["license_link"] == "LICENSE"
+    assert front["widget"] == [{"text": "a photo of a cat"}]  # no prompt known, no image: text only
+    assert "/home/someone" not in str(card) and "a local folder" in str(card)
