@@ -74,7 +74,7 @@ def evaluate(trainer, prompts, args) -> dict:
 
 def run_variant(name: str, args, prompts, base: dict | None) -> dict:
     from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
 
     config, extra = VARIANTS[name]
     own = args.branch_overrides if name.startswith("branch") else []

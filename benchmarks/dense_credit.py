@@ -63,7 +63,7 @@ def heldout_accuracy(trainer, prompts, args) -> dict:
 
 def run_method(name: str, overrides: list[str], budget_s: float, prompts: list[str], args, offset_s: float = 0.0) -> dict:
     from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
 
     out_dir = Path(args.out) / name
     base = [f"output_dir={out_dir}", f"model.id={args.model}", f"seed={args.seed}", "max_iterations=1000000",

@@ -43,7 +43,7 @@ STAT = re.compile(r"^guard/(ratio|norm_ratio)_(mean|std)/step_(\d+)$")
 def train(config: str, run_dir: Path, seed: int, overrides: list[str]) -> dict:
     """Train one variant to completion (resuming a partial run) and record its wall time."""
     from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
 
     result = run_dir / "result.json"
     if result.exists():

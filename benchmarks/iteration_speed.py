@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     import torch
 
     from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
     from sweep_flow_grpo import LORA  # the first tuned main job's LoRA, as the sweep names it
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -130,7 +130,7 @@ class Judge:
 
     name: str  # what the error message calls it
     run_key: str  # the run config key that names its folder
-    trainer: str  # "spm" (diffalign.spo.train) or "drm" (diffalign.drm.train)
+    trainer: str  # "spm" (diffalign.spm.train) or "drm" (diffalign.drm.train)
 
 
 SPM = Judge("step-aware preference model (SPM)", "algorithm.spm_kwargs.model", "spm")
@@ -361,7 +361,7 @@ def judge_seconds(name: str, args, out: Path) -> float:
     print(f"- {name}: training its {judge.name} in {folder} (preparation)", flush=True)
     t0 = time.perf_counter()
     if judge.trainer == "spm":
-        from diffalign.spo.train import load_spm_config, train_spm
+        from diffalign.spm.train import load_spm_config, train_spm
 
         train_spm(load_spm_config(recipe, [f"output_dir={folder}", f"model.id={args.model}", *settings["overrides"]]),
                   overwrite=True)
@@ -404,7 +404,7 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path) -> dict:
     import torch
 
     from diffalign.config_files import load_config, to_dict
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
     from diffalign.shapes import prompt_set
 
     method = METHODS[name]

@@ -107,8 +107,8 @@ def overrides(point: dict) -> list[str]:
 def run_point(model: str, point: dict, size: str, iterations: int, threads: int) -> dict:
     import torch
 
-    from diffalign.config import load_config
-    from diffalign.recipes import build_trainer
+    from diffalign.config_files import load_config
+    from diffalign.trainer import build_trainer
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="diffalign-scaling-") as tmp:

@@ -32,7 +32,7 @@ def main(argv=None) -> dict:
     from diffalign.config_files import load_config
     from diffalign.evaluation import LEGEND, comparison_columns, evaluate_shapes, format_table
     from diffalign.export import load_trained_adapter
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
     from diffalign.shapes import split_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -61,7 +61,7 @@ class Run:
 def main(argv=None) -> dict:
     from diffalign.config_files import load_config
     from diffalign.evaluation import evaluate_adapter
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
     from diffalign.shapes import split_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

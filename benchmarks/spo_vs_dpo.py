@@ -77,9 +77,9 @@ def parse_sets(items: list[list[str]]) -> dict[str, list[str]]:
 def main(argv=None) -> dict:
     from diffalign.config_files import load_config
     from diffalign.evaluation import evaluate_adapter
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
     from diffalign.shapes import split_prompts
-    from diffalign.spo.train import load_spm_config, train_spm
+    from diffalign.spm.train import load_spm_config, train_spm
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=20.0, help="training budget per method (its own iterations, evaluation excluded)")

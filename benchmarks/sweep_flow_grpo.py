@@ -142,7 +142,7 @@ METRICS = ("eval/acc/images", "eval/partial", "eval/acc/overall")  # pass rate, 
 
 def run_variant(config: str, name: str, overrides: list[str], out: Path, iterations: int, extra: list[str]) -> dict:
     from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
 
     run_dir = out / "runs" / name
     cfg = load_config(config, [*overrides, *extra, f"output_dir={run_dir}", f"max_iterations={iterations}",

@@ -25,7 +25,8 @@ def _cmd_train(args) -> int:
     # bad input still ends in one line
     with progress.bar(desc="loading libraries and the config", unit="", disable=not progress.interactive()):
         from diffalign.config_files import load_config
-        from diffalign.recipes import build_trainer, check_judges_trained
+        from diffalign.trainer import build_trainer
+        from diffalign.training.checks import check_judges_trained
 
         cfg = load_config(args.config, args.overrides)
     check_judges_trained(cfg, args.config)
@@ -42,7 +43,8 @@ def _cmd_train(args) -> int:
 
 def _cmd_resume(args) -> int:
     from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer, check_judges_trained
+    from diffalign.trainer import build_trainer
+    from diffalign.training.checks import check_judges_trained
 
     run_dir = Path(args.run_dir)
     cfg_file = run_dir / "config.yaml"
@@ -57,7 +59,7 @@ def _cmd_resume(args) -> int:
 
 def _cmd_config(args) -> int:
     from diffalign.config_files import dump_config, load_config
-    from diffalign.recipes import check_config
+    from diffalign.training.checks import check_config
 
     cfg = load_config(args.config, args.overrides)
     check_config(cfg)  # the names and files train resolves, with train's errors; no model loads
@@ -267,7 +269,7 @@ def _cmd_recipes(args) -> int:
 
 
 def _cmd_train_spm(args) -> int:
-    from diffalign.spo.train import load_spm_config, train_spm
+    from diffalign.spm.train import load_spm_config, train_spm
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).is_file():  # no CONFIG, only overrides
@@ -398,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _config_command(sub, "train-spm", "train a step-aware preference model (SPO) on preference pairs: "
                     "diffalign train-spm [CONFIG] [key=value ...]", _cmd_train_spm, optional=True,
-                    config_help="YAML config (diffalign.spo.train.SPMTrainConfig) or an spo recipe (shapes/spo); optional",
+                    config_help="YAML config (diffalign.spm.train.SPMTrainConfig) or an spo recipe (shapes/spo); optional",
                     overwrite="replace a previous SPM in output_dir")
 
     _config_command(sub, "train-reward", "train a diffusion-based reward model (DRM) on preference pairs: "

@@ -3,8 +3,10 @@
 One config per run. Every field has a comment. Loading (:mod:`diffalign.config_files`) validates
 types and values and raises :class:`~diffalign.errors.ConfigError` with a message naming the
 offending key. The
-``algorithm`` section is typed by ``algorithm.name`` through :data:`ALGORITHM_CONFIGS`, so each
-algorithm owns its own knobs without touching the others.
+``algorithm`` section is typed by ``algorithm.name``: each method's config dataclass lives beside
+its recipe (``diffalign/recipes/<name>.py``) and is found through the recipe registry
+(:mod:`diffalign.recipes`). The options several methods share (group advantages, the clipped
+policy loss, GRPO-Guard) are declared here once, as mixins, with their validation.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import ClassVar, Literal, Optional, Sequence
 
+from diffalign import recipes
 from diffalign.errors import ConfigError
-from diffalign.algorithms.grpo_guard import GuardOptions
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -287,6 +289,10 @@ class CheckpointConfig:
     keep_last: int = 2  # older checkpoints are deleted
 
 
+# tracker name -> the module that must be importable for it (diffalign.training.tracking)
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+
+
 @dataclass
 class LogConfig:
     progress_bar: bool = True  # tqdm bars on a terminal; elsewhere (and under --quiet) one line per phase
@@ -298,53 +304,127 @@ class LogConfig:
     offline: bool = False  # W&B offline mode, MLflow file store under RUN_DIR/mlruns (TensorBoard and trackio are local anyway)
 
     def validate(self) -> None:
-        from diffalign.training.tracking import TRACKER_MODULES
-
         for name in self.trackers:
             check(name in TRACKER_MODULES, "log.trackers", f"has unknown tracker {name!r} (known: {', '.join(TRACKER_MODULES)})")
         check(bool(self.project), "log.project", "must not be empty")
 
 
 # --------------------------------------------------------------------------------------------
-# Algorithms: each registers its own config dataclass under its name
+# Algorithms: the base of every method's config, and the options several methods share
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass
 class AlgorithmConfig:
+    """The ``algorithm`` section. A method subclasses it beside its recipe and registers both with
+    :func:`diffalign.recipes.register_recipe`; shared code asks it through the methods below
+    instead of probing for keys."""
+
     name: str = "flow_grpo"
+    # old key -> its current name; such a key still loads, with a one-line deprecation notice
+    renamed_keys: ClassVar[dict[str, str]] = {}
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        """Check every value; errors name ``prefix.key`` (a method nested in another passes its path).
+        Subclasses check their own keys and call ``super().validate(prefix)`` (the mixins' checks)."""
+
+    def trained_steps_per_sample(self, sde_steps: int) -> int:
+        """Denoising steps trained per rollout sample (the run header's count)."""
+        return sde_steps
+
+    def named_rewards(self) -> list[tuple[str, str, dict]]:
+        """``(config key, reward name, kwargs)`` of the rewards besides ``reward`` this method builds
+        by name (checked before a model loads)."""
+        return []
+
+    def untrained_judge(self, cfg: "RunConfig", config_path: str) -> Optional[str]:
+        """A one-line message when this method's auxiliary judge, trained by another command, has not
+        been trained yet (None when there is none or it is there)."""
+        return None
+
+    def kernel_reduction(self) -> str:
+        """How the SDE kernel reduces its Gaussian log-density over latent elements."""
+        return "mean"
 
 
-@dataclass
-class FlowGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard (docs/grpo_guard.md)
-    name: str = "flow_grpo"
-    advantage_std: Literal["global", "group"] = "global"  # std over the whole batch (paper) or per prompt group
-    advantage_clip: float = 5.0  # A clipped to +- this
-    advantage_eps: float = 1e-4  # A = (r - mean) / (std + eps)
-    filter_zero_std_groups: bool = True  # drop groups whose rewards are all equal
-    clip_range: float = 1e-4  # PPO epsilon
-    beta: float = 0.04  # KL weight against the adapter-disabled reference; 0 disables the reference forward
-    train_timestep_fraction: float = 0.99  # fraction of SDE steps trained per sample (0.99 of 10 -> 9)
-    timestep_selection: Literal["first", "random"] = "first"  # which SDE steps: the first ones, or random per sample
-    logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims
+def method_defaults(**values):
+    """Class decorator under ``@dataclass``: a method's own defaults for fields a shared mixin
+    declares (``@method_defaults(clip_range=1e-3)``), without declaring the field again."""
 
-    def validate(self) -> None:
-        check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
-        check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
-        check(self.beta >= 0, "algorithm.beta", "must be >= 0")
-        check(0 < self.train_timestep_fraction <= 1, "algorithm.train_timestep_fraction", "must be in (0, 1]")
-        self.validate_guard()
-
-
-ALGORITHM_CONFIGS: dict[str, type[AlgorithmConfig]] = {"flow_grpo": FlowGRPOConfig}
-
-
-def register_algorithm_config(name: str):
     def deco(cls):
-        ALGORITHM_CONFIGS[name] = cls
+        for name, value in values.items():
+            owner = next((base for base in cls.__mro__[1:] if name in getattr(base, "__dataclass_fields__", {})), None)
+            if owner is None:
+                raise TypeError(f"{cls.__name__}: no shared field {name!r} to give a default")
+            cls.__annotations__ = {**cls.__dict__.get("__annotations__", {}), name: owner.__dataclass_fields__[name].type}
+            setattr(cls, name, value)
         return cls
 
     return deco
+
+
+@dataclass
+class AdvantageOptions:
+    """Group-relative advantages ``A = clip((r - mean) / (std + eps), +-advantage_clip)``."""
+
+    advantage_clip: float = 5.0  # A clipped to +- this
+    advantage_eps: float = 1e-4  # A = (r - mean) / (std + eps)
+    filter_zero_std_groups: bool = True  # drop groups whose rewards are all equal (all A = 0: no gradient, only cost)
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        check(self.advantage_clip > 0, f"{prefix}.advantage_clip", "must be > 0")
+        check(self.advantage_eps >= 0, f"{prefix}.advantage_eps", "must be >= 0")
+        super().validate(prefix)
+
+
+@dataclass
+class GroupAdvantageOptions(AdvantageOptions):
+    """Advantages within prompt groups, with the std taken over the batch or per group."""
+
+    advantage_std: Literal["global", "group"] = "global"  # std over the whole batch (Flow-GRPO paper) or per prompt group
+
+
+GUARD_NORM_MODES = ("auto", "analytic", "batch")
+
+
+@dataclass
+class GuardOptions:
+    """GRPO-Guard's switches (docs/grpo_guard.md), shared by the clipped-policy methods."""
+
+    guard_ratio_norm: bool = False  # GRPO-Guard ratio normalisation per denoising step
+    guard_norm_mode: Literal["auto", "analytic", "batch"] = "auto"  # analytic: exact (needs the rollout's step noise); batch: micro-batch mean per step; auto: analytic where available
+    guard_step_reweight: bool = False  # per-step policy-gradient weights ~ 1/|dt|, mean 1 over the trainable steps
+    guard_diagnostics: bool = False  # log guard/ratio_{mean,std}/step_NN and guard/norm_ratio_{mean,std}/step_NN
+
+    @property
+    def guard_active(self) -> bool:
+        return self.guard_ratio_norm or self.guard_step_reweight or self.guard_diagnostics
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        check(self.guard_norm_mode in GUARD_NORM_MODES, f"{prefix}.guard_norm_mode", f"must be one of {', '.join(GUARD_NORM_MODES)}")
+        super().validate(prefix)
+
+
+@dataclass
+class ClippedPolicyOptions(GuardOptions):
+    """The PPO-style clipped ratio loss on SDE transitions, with a KL term to the reference."""
+
+    clip_range: float = 1e-4  # PPO epsilon
+    beta: float = 0.0  # KL weight against the adapter-disabled reference; 0 skips the reference forward
+    logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        check(0 < self.clip_range < 1, f"{prefix}.clip_range", "must be in (0, 1)")
+        check(self.beta >= 0, f"{prefix}.beta", "must be >= 0")
+        super().validate(prefix)
+
+    def kernel_reduction(self) -> str:
+        return self.logprob_reduction
+
+
+def fraction_of_steps(sde_steps: int, fraction: float) -> int:
+    """``int(sde_steps * fraction)``, at least 1 (all of them for a fraction of 1)."""
+    return max(1, int(sde_steps * fraction + 1e-9)) if fraction < 1 else sde_steps
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,7 +456,7 @@ class RunConfig:
     rollout: RolloutConfig
     reward: RewardConfig
     prompts: PromptsConfig
-    algorithm: AlgorithmConfig = field(default_factory=FlowGRPOConfig)  # typed by algorithm.name
+    algorithm: AlgorithmConfig = field(default_factory=lambda: recipes.config_class(recipes.DEFAULT)())  # typed by algorithm.name
     optim: OptimConfig
     train: TrainConfig
     eval: EvalConfig
@@ -385,19 +465,18 @@ class RunConfig:
 
     def validate(self) -> None:
         check(self.max_iterations >= 0, "max_iterations", "must be >= 0")
+        self.algorithm.validate("algorithm")
         check(bool(self.output_dir), "output_dir", "must not be empty")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if hasattr(value, "validate"):
+            if hasattr(value, "validate") and f.name != "algorithm":
                 value.validate()
 
     # derived numbers, printed at start -------------------------------------------------
     def derived(self, num_processes: int = 1) -> dict[str, int]:
         per_proc = self.rollout.prompts_per_iteration * self.rollout.group_size
         sde_steps = self.sampling.window_size or self.sampling.num_steps
-        frac = getattr(self.algorithm, "train_timestep_fraction", 1.0)
-        trained = max(1, int(sde_steps * frac + 1e-9)) if frac < 1 else sde_steps
-        trained = getattr(self.algorithm, "trained_steps_per_sample", None) or trained  # a recipe that draws its own noise levels (awm)
+        trained = self.algorithm.trained_steps_per_sample(sde_steps)
         micro = math.ceil(per_proc / self.train.batch_size) * trained * self.train.inner_epochs
         return {
             "images_per_iteration": per_proc * num_processes,
@@ -429,16 +508,3 @@ def check_ranges(section, prefix: str, **fields_by_rule: Sequence[str]) -> None:
         test, message = RANGES[rule]
         for name in names:
             check(test(getattr(section, name)), f"{prefix}.{name}", message)
-
-
-# Reading configs (YAML, overrides, coercion) lives in diffalign.config_files, which imports this
-# module; its public functions stay importable from here, the documented entry point.
-_FILE_FUNCTIONS = ("load_config", "dump_config", "read_yaml", "apply_overrides", "parse_override", "from_dict", "to_dict")
-
-
-def __getattr__(name: str):
-    if name in _FILE_FUNCTIONS:
-        from diffalign import config_files
-
-        return getattr(config_files, name)
-    raise AttributeError(f"module 'diffalign.config' has no attribute {name!r}")

@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import types
 import typing
 from typing import Any, Literal, Union
 
 import yaml
 
-from diffalign.config import ALGORITHM_CONFIGS, AlgorithmConfig, RunConfig
+from diffalign import recipes
+from diffalign.config import AlgorithmConfig, RunConfig
 from diffalign.errors import ConfigError
 from diffalign.shipped import config_file
 
@@ -99,14 +101,9 @@ def from_dict(cls, data: Any, prefix: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"config key '{prefix or '<root>'}' must be a mapping; got {data!r}")
     if cls is AlgorithmConfig or (prefix == "algorithm" and issubclass(cls, AlgorithmConfig)):
-        name = data.get("name", "flow_grpo")
-        _ensure_algorithms_registered(name)
-        if name not in ALGORITHM_CONFIGS:
-            from diffalign.recipes import check_algorithm_name
-
-            check_algorithm_name(name)  # not a recipe: every known name (ALGORITHM_CONFIGS holds the imported ones)
-            raise ConfigError(f"config key 'algorithm.name' is unknown: {name!r}; known: {', '.join(sorted(ALGORITHM_CONFIGS))}")
-        cls = ALGORITHM_CONFIGS[name]
+        cls = recipes.config_class(data.get("name", recipes.DEFAULT))
+    if isinstance(cls, type) and issubclass(cls, AlgorithmConfig) and cls.renamed_keys:
+        data = _renamed(data, cls.renamed_keys, prefix)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -121,16 +118,17 @@ def from_dict(cls, data: Any, prefix: str = ""):
     return cls(**kwargs)
 
 
-def _ensure_algorithms_registered(name: str | None = None) -> None:
-    # Algorithms outside diffalign.config register their configs on import: import the recipe
-    # module registered for `name` when its config is not known yet.
-    import importlib
-
-    from diffalign.recipes import recipe_module
-
-    module = recipe_module(name) if name is not None and name not in ALGORITHM_CONFIGS else None
-    if module is not None:
-        importlib.import_module(module)
+def _renamed(data: dict, renamed: dict[str, str], prefix: str) -> dict:
+    """``data`` with each old key of ``renamed`` under its current name, and a one-line notice."""
+    data = dict(data)
+    for old, new in renamed.items():
+        if old in data:
+            full = f"{prefix}.{old}" if prefix else old
+            if new in data:
+                raise ConfigError(f"config key '{full}' is the old name of '{new}'; give only '{new}'")
+            print(f"warning: config key '{full}' is deprecated; it is now called '{new}'", file=sys.stderr)
+            data[new] = data.pop(old)
+    return data
 
 
 def to_dict(cfg) -> dict:

@@ -34,9 +34,10 @@ import torch
 from diffalign.errors import ConfigError, RunDirError
 
 
-def zero_stage(cfg, accelerator) -> int:
-    """The ZeRO stage this run uses: ``train.zero_stage``, or the accelerate DeepSpeed config's."""
-    stage = int(cfg.train.zero_stage)
+def zero_stage(requested: int, accelerator, *, mixed_precision: str = "no") -> int:
+    """The ZeRO stage a run uses: ``requested`` (``train.zero_stage``), or the accelerate DeepSpeed
+    config's; ``mixed_precision`` is ``train.mixed_precision`` (fp16 is refused: no loss scaling)."""
+    stage = int(requested)
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         from accelerate.utils import DistributedType
 
@@ -59,19 +60,20 @@ def zero_stage(cfg, accelerator) -> int:
         stage = theirs
     if stage and accelerator.num_processes == 1:
         return 0  # nothing to shard: the plain optimizer is the same computation
-    if stage and cfg.train.mixed_precision == "fp16":
+    if stage and mixed_precision == "fp16":
         raise ConfigError("config key 'train.mixed_precision' fp16 is not supported with ZeRO (no loss scaling); use bf16")
     return stage
 
 
-def deepspeed_config(cfg, stage: int, world: int) -> dict:
-    """The DeepSpeed config of a run (a pure function of the run config)."""
+def deepspeed_config(stage: int, world: int, *, batch_size: int, grad_clip: float) -> dict:
+    """The DeepSpeed config of a run: ``batch_size`` is ``train.batch_size`` (per process),
+    ``grad_clip`` ``optim.grad_clip``."""
     return {
-        "train_micro_batch_size_per_gpu": cfg.train.batch_size,
+        "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": 1,  # boundaries are set by hand (see the module doc)
-        "train_batch_size": cfg.train.batch_size * world,
+        "train_batch_size": batch_size * world,
         "zero_optimization": {"stage": stage, "contiguous_gradients": True, "overlap_comm": False, "reduce_scatter": True},
-        "gradient_clipping": float(cfg.optim.grad_clip),
+        "gradient_clipping": float(grad_clip),
         "zero_allow_untested_optimizer": True,  # torch AdamW or SGD, bitsandbytes AdamW8bit
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},  # fp32 master weights; forwards use autocast
@@ -80,8 +82,9 @@ def deepspeed_config(cfg, stage: int, world: int) -> dict:
     }
 
 
-def initialize(denoiser: torch.nn.Module, optimizer, cfg, stage: int, world: int):
-    """Wrap ``optimizer`` (over the denoiser's trainable parameters) in a ZeRO engine."""
+def initialize(denoiser: torch.nn.Module, optimizer, stage: int, world: int, *, batch_size: int, grad_clip: float):
+    """Wrap ``optimizer`` (over the denoiser's trainable parameters) in a ZeRO engine
+    (``batch_size``, ``grad_clip``: see :func:`deepspeed_config`)."""
     try:
         import deepspeed
     except ImportError:
@@ -92,7 +95,8 @@ def initialize(denoiser: torch.nn.Module, optimizer, cfg, stage: int, world: int
         raise ConfigError("config key 'train.zero_stage' needs a multi-process launch (accelerate launch --config_file "
                           "\"$(diffalign recipes path accelerate/ddp)\" -m diffalign.cli train ...; accelerate/cpu_2proc on CPU)")
     engine, zero_optimizer, _, _ = deepspeed.initialize(model=denoiser, optimizer=optimizer,
-                                                        config=deepspeed_config(cfg, stage, world), dist_init_required=False)
+                                                        config=deepspeed_config(stage, world, batch_size=batch_size, grad_clip=grad_clip),
+                                                        dist_init_required=False)
     return engine, zero_optimizer
 
 
@@ -204,10 +208,11 @@ def enable_xformers(adapter) -> None:
 # zero-loss forwards (Trainer.lockstep_counts), evaluation runs on every process, and checkpoints
 # and exports gather the full tensors collectively.
 
-def fsdp_requested(cfg) -> bool:
-    """``train.fsdp``, or a launch with accelerate's FSDP config (which sets ACCELERATE_USE_FSDP)."""
-    on = bool(cfg.train.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if on and cfg.train.zero_stage:
+def fsdp_requested(fsdp: bool, zero_stage: int = 0) -> bool:
+    """``fsdp`` (``train.fsdp``), or a launch with accelerate's FSDP config (which sets
+    ACCELERATE_USE_FSDP); refused beside a ZeRO stage (``train.zero_stage``)."""
+    on = bool(fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if on and zero_stage:
         raise ConfigError("config keys 'train.fsdp' and 'train.zero_stage' exclude each other; pick one")
     return on
 

@@ -29,9 +29,15 @@ import torch
 
 import reward_models
 from diffalign import stats
+from diffalign.adapters import DEFAULT_ALIASES, model_family
+from diffalign.config import native_bf16
+from diffalign.config_files import load_config
 from diffalign.errors import DiffalignError, RunDirError
+from diffalign.runs import read_final_metadata
 from diffalign.sampling import sample_images
+from diffalign.shapes import FAMILIES, IN_DISTRIBUTION_FAMILIES, evaluation_prompts, prompt_family
 from diffalign.stats import Difference, Interval
+from reward_models.shapes_eval import ShapesEval
 
 #: bootstrap settings of every evaluation table (see diffalign.stats)
 BOOTSTRAP = {"resamples": stats.DEFAULT_RESAMPLES, "seed": stats.DEFAULT_SEED, "level": stats.DEFAULT_LEVEL}
@@ -46,8 +52,6 @@ LEGEND = (f"value [lo, hi]: {100 * BOOTSTRAP['level']:g} % stratified bootstrap 
 def shapes_records(images: torch.Tensor, prompts: Sequence[str]) -> list[dict]:
     """Per-image ShapesEval records: ``prompt``, ``family``, ``passed`` (bool) and ``score``
     (partial credit, the fraction of the prompt's requirements met; 0 when a gate fails)."""
-    from reward_models.shapes_eval import ShapesEval
-
     return [{"prompt": r["prompt"], "family": r["family"], "passed": bool(r["passed"]), "score": float(r["score"])}
             for r in ShapesEval().evaluate(images, list(prompts))]
 
@@ -101,9 +105,6 @@ def eval_autocast_dtype(mixed_precision: str, device_type: str = "cpu") -> torch
     """The denoiser's autocast dtype for evaluation: ``auto`` is bf16 where ``device_type`` computes
     it natively (as a run with ``train.mixed_precision: auto`` evaluates, so the numbers match its
     report), ``bf16`` always, ``no`` is fp32 throughout. Step kernels and scoring stay fp32 either way."""
-    from diffalign.config import native_bf16
-    from diffalign.errors import DiffalignError
-
     if mixed_precision not in ("auto", "bf16", "no"):
         raise DiffalignError(f"--mixed-precision must be auto, bf16 or no, got {mixed_precision!r}")
     use_bf16 = mixed_precision == "bf16" or (mixed_precision == "auto" and native_bf16(device_type))
@@ -159,8 +160,6 @@ def evaluate_shapes(
 
 def shapes_eval_list(prompts: Sequence[str], images_per_family: int | None = 96, limit: int = 0) -> list[str]:
     """The prompt of every image :func:`evaluate_shapes` samples, in order (see its arguments)."""
-    from diffalign.shapes import evaluation_prompts
-
     items = evaluation_prompts(prompts, images_per_family) if images_per_family is not None else list(prompts)
     return items[:limit] if limit else items
 
@@ -169,8 +168,6 @@ def describe_families(items: Sequence[str], images_per_family: int | None = 96) 
     """The images per family a ShapesEval list holds, as sampled: ``2 per family x 6 families``
     for a whole list, else each family's count (``single_object 2 of 96``: a list cut short by a
     limit, or ``images_per_family=None``: the list as given)."""
-    from diffalign.shapes import FAMILIES, prompt_family
-
     counts = Counter(prompt_family(p) for p in items)
     if images_per_family is not None and set(counts.values()) == {images_per_family}:
         return f"{images_per_family} per family x {len(counts)} {'family' if len(counts) == 1 else 'families'}"
@@ -241,10 +238,6 @@ class RunSource:
 def read_run_source(run_dir: str | Path) -> RunSource:
     """A run directory's :class:`RunSource`, from ``config.yaml``, ``final/diffalign.json`` and
     ``prompts.json``; a RunDirError when it does not exist or has no final weights."""
-    from diffalign.adapters import model_family
-    from diffalign.config_files import load_config
-    from diffalign.export import read_final_metadata
-
     path = Path(run_dir)
     if not path.exists():
         raise RunDirError(f"run directory {str(run_dir)!r} does not exist")
@@ -259,8 +252,6 @@ def read_run_source(run_dir: str | Path) -> RunSource:
 def same_model(a: str, b: str) -> bool:
     """Whether two model ids name the same model: equal ids, the two names of the shipped model,
     or two paths to one folder."""
-    from diffalign.adapters import DEFAULT_ALIASES
-
     def key(model_id: str) -> str:
         if model_id in DEFAULT_ALIASES:
             return DEFAULT_ALIASES[0]
@@ -328,8 +319,6 @@ _LAST = ("acc/images", "partial", "reward_mean", "acc/overall")
 def metric_order(keys: Sequence[str]) -> list[str]:
     """Rows of a table: family accuracies in :data:`~diffalign.shapes.FAMILIES` order, other keys
     alphabetically, then ``acc/images``, ``partial``, ``reward_mean`` and ``acc/overall`` last."""
-    from diffalign.shapes import FAMILIES
-
     fams = [f"acc/{f}" for f in FAMILIES]
     return ([k for k in fams if k in keys] + sorted(k for k in keys if k not in fams and k not in _LAST)
             + [k for k in _LAST if k in keys])
@@ -338,8 +327,6 @@ def metric_order(keys: Sequence[str]) -> list[str]:
 def metric_label(key: str) -> str:
     """The row label of a metric: families of :data:`~diffalign.shapes.IN_DISTRIBUTION_FAMILIES`
     (every prompt of them trains; evaluated on fresh seeds) are marked ``(in-distribution)``."""
-    from diffalign.shapes import IN_DISTRIBUTION_FAMILIES
-
     if key.startswith("acc/") and key[4:] in IN_DISTRIBUTION_FAMILIES:
         return f"{key} (in-distribution)"
     return key

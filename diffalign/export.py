@@ -21,13 +21,18 @@ from pathlib import Path
 
 import torch
 
+from diffalign import __version__, hub, progress, runs, stats
+from diffalign.adapters import load_adapter
 from diffalign.adapters.base import ModelAdapter
+from diffalign.config import EvalConfig, SamplingConfig
 from diffalign.errors import RunDirError
+from diffalign.images import labelled_grid, save_png
 from diffalign.report import evaluation_summary
+from diffalign.runs import METADATA_FILE, eval_records_path, read_final_metadata
+from diffalign.sampling import sample_images
 
 EXPORT_FORMATS = ("lora", "merged")
 LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
-METADATA_FILE = "diffalign.json"
 WIDGET_FILE = "images/widget.png"  # the card's widget image: one prompt, base | trained, same noise
 WIDGET_TILE_PX = 256  # each image of the pair shown this wide (ShapesWorld's 32 px enlarged 8x, nearest)
 
@@ -107,8 +112,6 @@ def unchanged_weights(run_dir: str | os.PathLike) -> str | None:
     LoRA: every adapted layer's update ``B @ A`` is zero (``lora_B`` or ``lora_A`` all zeros, as
     before any training). Full fine-tuning: every denoiser tensor equals the base model's.
     """
-    from diffalign.adapters import load_adapter
-
     final = Path(run_dir) / "final"
     meta = json.loads((final / METADATA_FILE).read_text())
     if meta.get("format") == "lora":
@@ -142,8 +145,6 @@ def _publish(tmp: Path, out_dir: Path) -> None:
 def load_trained_adapter(run_or_final: str | os.PathLike, *, device="cpu", dtype=torch.float32) -> ModelAdapter:
     """Base model + the weights of a run's ``final/`` (or a final folder itself), via diffusers'
     own loading code (``load_lora_weights`` / ``from_pretrained``)."""
-    from diffalign.adapters import load_adapter
-
     path = Path(run_or_final)
     final = path / "final" if (path / "final").is_dir() else path
     meta_file = final / "diffalign.json"
@@ -163,16 +164,6 @@ def load_trained_adapter(run_or_final: str | os.PathLike, *, device="cpu", dtype
 
 
 # ---- diffalign export ---------------------------------------------------------------------------
-def read_final_metadata(run_dir: Path) -> dict:
-    """``final/diffalign.json`` of a run directory (what was trained how)."""
-    meta_file = Path(run_dir) / "final" / METADATA_FILE
-    if not (Path(run_dir) / "config.yaml").is_file():
-        raise RunDirError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
-    if not meta_file.is_file():
-        raise RunDirError(f"run {str(run_dir)!r} has no final weights (no final/{METADATA_FILE}); has it finished?")
-    return json.loads(meta_file.read_text())
-
-
 def is_export_dir(path: Path) -> bool:
     """A folder written by :func:`export_run` (its ``diffalign.json`` has an ``export`` entry)."""
     try:
@@ -255,11 +246,6 @@ def widget_pair(adapter: ModelAdapter, meta: dict, config: dict, prompt: str, ou
     (:func:`diffalign.sampling.sample_images`: ODE, ``eval.seed``). The base is the same network
     with its LoRA disabled, or for full fine-tuning the base model loaded beside it. A video
     shows its first frame."""
-    from diffalign.adapters import load_adapter
-    from diffalign.config import EvalConfig, SamplingConfig
-    from diffalign.images import labelled_grid, save_png
-    from diffalign.sampling import sample_images
-
     # a key missing from config.yaml: what the run ran with, the config's default
     sampling, model, evaluation = (config.get(k) or {} for k in ("sampling", "model", "eval"))
     settings = {"num_steps": int(sampling.get("eval_num_steps", SamplingConfig.eval_num_steps)),
@@ -295,9 +281,6 @@ def paired_reward_differences(run_dir: Path, evals: list[dict]) -> dict:
     its 95 % paired bootstrap interval over prompts, from the per-image rewards the evaluator keeps
     in ``eval_records/`` (the pairing :mod:`diffalign.report` uses for its verdict). Empty when the
     two evaluations cannot be paired (no records, other prompts, one evaluation only)."""
-    from diffalign import stats
-    from diffalign.training.evaluator import eval_records_path
-
     if len(evals) < 2 or evals[0]["iteration"] == evals[-1]["iteration"]:
         return {}
     values = []
@@ -351,7 +334,6 @@ def export_run(
     """
     import yaml
 
-    from diffalign import __version__, hub, runs
 
     log = log or (lambda msg: None)
     run_dir = Path(run_dir)
@@ -374,8 +356,6 @@ def export_run(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
-        from diffalign import progress
-
         device = "cuda" if torch.cuda.is_available() else "cpu"
         prompt = hub.widget_prompt(config, meta.get("family"), _eval_prompts(run_dir))
         with progress.bar(total=3 if fmt == "merged" else 2, desc=f"export {fmt}", unit="step") as bar:

@@ -34,7 +34,12 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+import reward_models
+from diffalign import progress
+from diffalign.adapters import load_adapter
 from diffalign.errors import DiffalignError
+from diffalign.evaluation import maybe_autocast
+from diffalign.export import load_trained_adapter
 from diffalign.prompts import jsonl_objects
 from diffalign.sampling.linear import SampleSpec
 
@@ -106,9 +111,6 @@ def evaluate_geneval(
     ``sampling.batch_size`` images are sampled and scored in turn (memory stays one batch); batch k
     uses noise seed ``sampling.seed + k``, so the evaluation is the same for every model at the same
     seed."""
-    from diffalign import progress
-    from diffalign.evaluation import maybe_autocast
-
     if images_per_prompt < 1:
         raise DiffalignError(f"--images-per-prompt must be >= 1, got {images_per_prompt}")
     items = [(i, e) for i, e in enumerate(entries) for _ in range(images_per_prompt)]
@@ -155,11 +157,6 @@ def format_table(results: Mapping[str, GenEvalResult]) -> str:
 
 def run_from_args(args) -> int:
     """``diffalign eval RUN_OR_MODEL ... --protocol geneval --metadata PATH [--url URL]``."""
-    import reward_models
-    from diffalign import progress
-    from diffalign.adapters import load_adapter
-    from diffalign.export import load_trained_adapter
-
     if not args.metadata:
         raise DiffalignError("--protocol geneval needs --metadata PATH (GenEval's evaluation_metadata.jsonl)")
     entries = read_metadata(args.metadata)

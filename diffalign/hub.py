@@ -13,7 +13,10 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from diffalign.adapters import DEFAULT_ALIASES, PIPELINE_FAMILIES, TINY_PREFIX
+from diffalign.config import SamplingConfig
 from diffalign.errors import DiffalignError
+from diffalign.shapes import prompt_family, prompt_set
 
 # Config keys shown in the card besides every ``algorithm.*`` key: what it takes to reproduce the
 # run's character (sizes of the rollout, the kernel, the learning rate), not every knob.
@@ -47,7 +50,6 @@ def _hub_base_model(base: str) -> Optional[str]:
     the shipped ``shapes`` model and local folders have no Hub page to link."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    from diffalign.adapters import DEFAULT_ALIASES, TINY_PREFIX
 
     if base.startswith(TINY_PREFIX) or base in DEFAULT_ALIASES or "/" not in base or Path(base).expanduser().exists():
         return None
@@ -59,16 +61,12 @@ def _hub_base_model(base: str) -> Optional[str]:
 
 
 def _is_own_model(base: str) -> bool:
-    from diffalign.adapters import DEFAULT_ALIASES, TINY_PREFIX
-
     return base.startswith(TINY_PREFIX) or base in DEFAULT_ALIASES
 
 
 def loading_snippet(meta: dict, fmt: str, where: str, *, pipeline_class: Optional[type] = None,
                     prompt: str = FALLBACK_PROMPT, steps: int = 28, guidance_scale: float = 4.5) -> str:
     """Python that loads the export (``where``: Hub repo id or local folder) and draws one image."""
-    from diffalign.adapters import DEFAULT_ALIASES, PIPELINE_FAMILIES, TINY_PREFIX
-
     base, family = str(meta["base_model"]), meta.get("family")
     family_pipelines = {f: c for c, f in PIPELINE_FAMILIES.items()}
     class_name = pipeline_class.__name__ if pipeline_class is not None else family_pipelines.get(family, "DiffusionPipeline")
@@ -140,8 +138,6 @@ def widget_prompt(config: dict, family: Optional[str], eval_prompts: Optional[li
     (``eval_prompts``, from ``prompts.json``), else the config's first evaluation or training
     prompt, else :data:`FALLBACK_PROMPT`."""
     if family == "shapes":
-        from diffalign.shapes import prompt_family, prompt_set
-
         held_out = prompt_set("heldout")
         return next((p for p in held_out if prompt_family(p) == "position"), held_out[0])
     prompts = config.get("prompts") or {}
@@ -171,8 +167,6 @@ def _base_model_note(base: str, family: Optional[str], hub_base: Optional[str]) 
     """Why the front matter has no ``base_model``: the Hub takes only the id of a Hub model there
     (it links the page and lists the model among the base's fine-tunes and adapters), and a base
     made by diffalign or read from a local folder has no such page."""
-    from diffalign.adapters import TINY_PREFIX
-
     if hub_base:
         return ""
     made = ("a local folder" if not _is_own_model(base) else "a tiny model built in code by diffalign"
@@ -208,7 +202,6 @@ def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: 
     """
     from huggingface_hub import ModelCard, ModelCardData
 
-    from diffalign.config import SamplingConfig
 
     base, algorithm, reward, family = str(meta["base_model"]), meta.get("algorithm"), meta.get("reward"), meta.get("family")
     hub_base = _hub_base_model(base)

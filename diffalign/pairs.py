@@ -40,7 +40,11 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+import reward_models
+from diffalign import progress
 from diffalign.errors import DiffalignError
+from diffalign.forward_process import encode_images
+from diffalign.sampling import build_kernel, sample_linear
 from diffalign.sampling.linear import SampleSpec
 
 PAIRS_FILE = "pairs.jsonl"
@@ -300,8 +304,6 @@ def read_pairs(path: str | Path, *, resolution: Optional[int] = None, limit: int
 def load_latent_pairs(path: str | Path, adapter, resolution: int, *, drop_ties: bool = False,
                       batch_size: int = 16) -> LatentPairs:
     """Read a pair file and encode its images (centre crop, resize) to the adapter's latents."""
-    from diffalign.forward_process import encode_images
-
     rows = read_pair_rows(path, drop_ties=drop_ties)
     refs = [(r[k], r["where"]) for r in rows for k in ("image_0", "image_1")]
     latents = []
@@ -378,8 +380,6 @@ def generate_pairs(
     Returns the pairs and statistics: ``images``, ``pairs``, ``ties`` (pairs with equal rewards,
     whether kept or not), ``reward_mean``.
     """
-    import reward_models
-
     if images_per_prompt < 2:
         raise DiffalignError(f"generating pairs needs at least 2 images per prompt, got {images_per_prompt}")
     expanded = [p for p in prompts for _ in range(images_per_prompt)]
@@ -427,10 +427,6 @@ def generate_latent_pairs(
     score them with ``reward_fn`` and pair samples of the same prompt whose rewards differ by more
     than ``tie_tolerance`` (:func:`label_pairs`; up to ``max_pairs_per_prompt`` random pairs per
     prompt, the preferred sample first or second with equal odds). Keeps the final latents."""
-    import reward_models
-    from diffalign import progress
-    from diffalign.sampling import build_kernel, sample_linear
-
     gen = torch.Generator("cpu").manual_seed(seed)
     sample_prompts = [p for p in prompts for _ in range(samples_per_prompt)]
     kernel = build_kernel(adapter, "ddim" if adapter.prediction_type == "epsilon" else "flow_grpo", 0.0)

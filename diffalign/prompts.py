@@ -15,6 +15,7 @@ import numpy as np
 
 from diffalign.config import RunConfig
 from diffalign.errors import ConfigError
+from diffalign.shapes import prompt_family, split_prompts, validation_split
 
 
 class PromptSampler:
@@ -54,8 +55,6 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
     """(train prompts, eval prompts) from ``cfg.prompts``."""
     p = cfg.prompts
     if p.source == "shapes":
-        from diffalign.shapes import prompt_family, split_prompts, validation_split
-
         split = split_prompts()
         train, heldout = validation_split(split) if p.evaluate_on == "validation" else (split.train, split.evaluation())
         families = {prompt_family(x) for x in train}
@@ -225,7 +224,6 @@ def resolve_probe_prompts(cfg: RunConfig) -> list[str]:
     when tuning on validation prompts: the probe informs no choice)."""
     if cfg.prompts.source != "shapes" or not cfg.eval.probe or cfg.prompts.evaluate_on == "validation":
         return []
-    from diffalign.shapes import prompt_family, split_prompts
 
     probe = split_prompts().probe
     return [x for x in probe if prompt_family(x) in cfg.prompts.families] if cfg.prompts.families else list(probe)

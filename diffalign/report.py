@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Sequence
 
 from diffalign import runs, stats
+from diffalign.evaluation import LEGEND, Evaluation, is_bound_key, metric_label, metric_order
+from diffalign.runs import eval_records_path
 from diffalign.stats import Difference
 
 DRIFT_WINDOW = 8  # iterations per window of the drift check (a quarter of the run when shorter)
@@ -220,8 +222,6 @@ def verdict(evals: Sequence[dict], rec_a: dict | None, rec_b: dict | None, confi
     """The report's first line: the first and the last evaluation of ``evals`` compared.
     ``rec_a`` / ``rec_b``: their ``eval_records`` files (None when absent); ``config``: the run's
     ``config.yaml``."""
-    from diffalign.evaluation import Evaluation, metric_order
-
     if not evals:
         return "**Verdict:** none: this log holds no evaluation (the run ended before its first one, or eval.at_start=false)."
     first, last = evals[0], evals[-1]
@@ -262,8 +262,6 @@ def verdict(evals: Sequence[dict], rec_a: dict | None, rec_b: dict | None, confi
 
 
 def _read_eval_records(run_dir: Path, iteration: int) -> dict | None:
-    from diffalign.training.evaluator import eval_records_path
-
     path = eval_records_path(run_dir, iteration)
     if not path.is_file():
         return None
@@ -277,8 +275,6 @@ def _interval_section(title: str, before: dict | None, after: dict | None, first
                       note: str = "") -> list[str]:
     """A markdown table of one evaluation kind (``heldout`` / ``probe``): before and after with
     intervals and the paired difference, or one column when only one evaluation exists."""
-    from diffalign.evaluation import Evaluation, metric_label, metric_order
-
     evs = [Evaluation.from_records(x["records"], meta=x.get("meta")) if x else None for x in (before, after)]
     ev_a, ev_b = evs
     lines = [f"## {title}", ""]
@@ -319,8 +315,6 @@ def evaluation_summary(run_dir: str | Path) -> list[str] | None:
     rec_a, rec_b = _read_eval_records(run_dir, first["iteration"]), _read_eval_records(run_dir, last["iteration"])
     lines = [verdict(evals, rec_a, rec_b, _run_config(run_dir)), ""]
     if (rec_a or rec_b or {}).get("heldout"):
-        from diffalign.evaluation import LEGEND
-
         section = _interval_section("Held-out evaluation", (rec_a or {}).get("heldout"), (rec_b or {}).get("heldout"),
                                     first["iteration"], last["iteration"])
         lines += section[2:] + [LEGEND, ""]  # without the section's own heading
@@ -356,8 +350,6 @@ def write_report(run_dir: str | Path) -> Path:
             lines += [_marks_note(evals), ""]
     shapes = bool((rec_a or rec_b or {}).get("heldout"))
     if evals:
-        from diffalign.evaluation import is_bound_key
-
         if shapes:
             lines += _interval_section("Held-out evaluation", (rec_a or {}).get("heldout"), (rec_b or {}).get("heldout"),
                                        first["iteration"], last["iteration"],
@@ -370,7 +362,6 @@ def write_report(run_dir: str | Path) -> Path:
                     "Generalisation probe (reported apart)", (rec_a or {}).get("probe"), (rec_b or {}).get("probe"),
                     first["iteration"], last["iteration"],
                     "Prompts naming colour-shape pairs that never occur in training; not the headline.")
-            from diffalign.evaluation import LEGEND
 
             lines += [LEGEND + " In-distribution families have every prompt in training; they are evaluated on fresh "
                       "seeds.", ""]

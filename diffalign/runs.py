@@ -24,6 +24,24 @@ import torch
 from diffalign import faults, state_files
 from diffalign.errors import RunDirError
 
+METADATA_FILE = "diffalign.json"  # final/ and exported folders: what was trained how
+
+
+def eval_records_path(run_dir: Path, iteration: int) -> Path:
+    """Where the trainer keeps one evaluation's per-image records (``eval_records/iter-N.json``)."""
+    return Path(run_dir) / "eval_records" / f"iter-{iteration:06d}.json"
+
+
+def read_final_metadata(run_dir: Path) -> dict:
+    """``final/diffalign.json`` of a run directory (what was trained how)."""
+    meta_file = Path(run_dir) / "final" / METADATA_FILE
+    if not (Path(run_dir) / "config.yaml").is_file():
+        raise RunDirError(f"{str(run_dir)!r} is not a run directory (no config.yaml)")
+    if not meta_file.is_file():
+        raise RunDirError(f"run {str(run_dir)!r} has no final weights (no final/{METADATA_FILE}); has it finished?")
+    return json.loads(meta_file.read_text())
+
+
 CHECKPOINT_PREFIX = "iter-"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.resources
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,13 @@ CONFIGS_PACKAGE = "diffalign._configs"  # the checkout's configs/ (pyproject.tom
 SUFFIX = ".yaml"
 MAX_SUGGESTIONS = 4  # close matches named in an error
 COMMAND_PREFIXES = ("accelerate ", "diffalign ")  # a leading comment line that shows how to run the file
+# recipes that were renamed: old name -> current name (each still loads, with a one-line notice)
+RENAMED = {
+    "sd15/ddpo_aesthetic": "sd15/flow_grpo_ddim_aesthetic",
+    "sdxl/ddpo_pickscore": "sdxl/flow_grpo_ddim_pickscore",
+    "tiny/ddpo_sd15": "tiny/flow_grpo_ddim_sd15",
+    "tiny/ddpo_sdxl": "tiny/flow_grpo_ddim_sdxl",
+}
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,16 @@ def _hint(name: str, names: list[str]) -> str:
     return f"{close}`diffalign recipes` lists them all"
 
 
+def current_name(name: str) -> str:
+    """``name`` normalised, and under its current name (with a notice on stderr) when it was renamed."""
+    wanted = normalise(name)
+    if wanted in RENAMED:
+        print(f"warning: the recipe {wanted!r} is now called {RENAMED[wanted]!r}; the old name is deprecated",
+              file=sys.stderr)
+        return RENAMED[wanted]
+    return wanted
+
+
 def find(name: str) -> Recipe:
     """The shipped recipe called ``name`` (any spelling :func:`normalise` accepts).
 
@@ -89,7 +107,7 @@ def find(name: str) -> Recipe:
         ConfigError: no recipe has that name; the message names the close matches.
     """
     recipes = {r.name: r for r in available()}
-    recipe = recipes.get(normalise(name))
+    recipe = recipes.get(current_name(name))
     if recipe is None:
         raise ConfigError(f"unknown recipe {name!r}; {_hint(name, list(recipes))}")
     return recipe
@@ -108,7 +126,7 @@ def config_file(path_or_name: str | Path) -> Path:
     if path.is_absolute():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     recipes = {r.name: r for r in available()}
-    recipe = recipes.get(normalise(str(path_or_name)))
+    recipe = recipes.get(current_name(str(path_or_name)))
     if recipe is not None:
         return recipe.path
     raise ConfigError(f"config file {str(path_or_name)!r} does not exist and names no shipped recipe; "

@@ -21,22 +21,30 @@ from typing import Callable, Optional
 import torch
 
 import reward_models
-from diffalign import distributed, runs
+from diffalign import distributed, progress, recipes, runs
 from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
 from diffalign.config_files import dump_config, to_dict
-from diffalign.errors import Interrupted
+from diffalign.errors import DiffalignError, Interrupted
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
+from diffalign.report import write_report
 from diffalign.sampling import build_kernel
-from diffalign.training import checkpoints, evaluator, metrics, tracking
-from diffalign.training.backend import Backend, OptimizerStep, allow_precision
-from diffalign.training.checks import check_on_policy, max_log_ratio
-from diffalign.training.policy import prepare_denoiser
+from diffalign.training import checkpoints, evaluator, groups, metrics, tracking
+from diffalign.training.backend import Backend, OptimizerStep, allow_precision, lr_factor
+from diffalign.training.checks import check_config, check_on_policy, max_log_ratio
 from diffalign.training.interrupts import StopSignals
-from diffalign.training.rewards import RewardPool, call_with_retries, reward_info
+from diffalign.training.policy import prepare_denoiser
+from diffalign.training.rewards import RewardFailures, RewardPool, call_with_retries, reward_info
 
-__all__ = ["Trainer", "reward_info"]
+__all__ = ["Trainer", "build_trainer", "reward_info"]
+
+
+def build_trainer(cfg: RunConfig, **kwargs) -> "Trainer":
+    """The trainer of ``cfg.algorithm.name`` for ``cfg``, after :func:`check_config` (every name and
+    file checked before a model loads). ``kwargs``: ``resume``, ``overwrite``, ``allow_config_change``, ``log``."""
+    check_config(cfg)
+    return recipes.trainer_class(cfg.algorithm.name)(cfg, **kwargs)
 
 
 class Trainer:
@@ -61,7 +69,7 @@ class Trainer:
         self.reward_pool: Optional[RewardPool] = None
         self.self_check_log_ratio: Optional[float] = None  # max |log ratio| of the on-policy self-check
         self._saved_iteration: Optional[int] = None  # the iteration of the last checkpoint written (or resumed from)
-        self._resumed_from_checkpoint = False  # set by checkpoints.load_latest
+        self._updated_in_iteration = False  # an optimizer step was taken in this iteration (guarded_iteration)
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -84,7 +92,6 @@ class Trainer:
             checkpoints.check_resume_config(self.run_dir, cfg, self.allow_config_change)
         self.device = self.accelerator.device
         set_seed(cfg.seed)  # same on every process: identical initial (LoRA) weights
-        from diffalign import progress
 
         # no finer progress inside diffusers' loading: the bar's clock keeps ticking through it (on a
         # terminal only, and cleared after: a config error found later still ends in one line)
@@ -101,7 +108,7 @@ class Trainer:
         self._setup_trainable()
         self.kernel = build_kernel(
             self.adapter, cfg.sampling.kernel, cfg.sampling.noise_level,
-            std_schedule=cfg.sampling.std_schedule, reduction=getattr(cfg.algorithm, "logprob_reduction", "mean"),
+            std_schedule=cfg.sampling.std_schedule, reduction=cfg.algorithm.kernel_reduction(),
             noise_pool=cfg.sampling.noise_pool,
         )
         # Everything is validated and loaded: now the run directory may change.
@@ -113,8 +120,9 @@ class Trainer:
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
         self.metrics = runs.MetricsLog(self.run_dir / "metrics.jsonl")
         if self.resume:
-            self.start_iteration = checkpoints.load_latest(self)
-            self._saved_iteration = self.start_iteration if self._resumed_from_checkpoint else None
+            resumed = checkpoints.load_latest(self)
+            self.start_iteration = resumed or 0
+            self._saved_iteration = resumed
         elif self.accelerator.is_main_process:
             runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
             # the prompts as resolved at start: a prompt file may change after the run
@@ -197,6 +205,31 @@ class Trainer:
             with torch.no_grad(), self.reference_model(), self.autocast():
                 self.adapter.predict(x, t, embeds, guidance_scale)
         self.backend.backward(out.float().sum() * 0.0)
+
+    def plan_group_rollout(self, iteration: int, *, with_step_noise: bool = True) -> groups.GroupRollout:
+        """This iteration's prompts and noise for a group rollout (:func:`diffalign.training.groups.plan_group_rollout`)."""
+        acc = self.accelerator
+        return groups.plan_group_rollout(self.cfg, iteration, adapter=self.adapter, prompt_sampler=self.prompt_sampler,
+                                         generator=self.generator, resolution=self.resolution, world=acc.num_processes,
+                                         rank=acc.process_index, with_step_noise=with_step_noise)
+
+    def guarded_iteration(self, it: int) -> dict:
+        """:meth:`iteration`; when the reward fails for good before any update of the iteration,
+        the random streams go back to where the iteration began and a checkpoint is written there,
+        so that ``diffalign resume`` repeats the iteration exactly once the reward works again."""
+        self._updated_in_iteration = False
+        boundary = checkpoints.stream_state(self)
+        try:
+            return self.iteration(it)
+        except RewardFailures as exc:
+            if self.reward_pool is not None:
+                self.reward_pool.shutdown()
+            if not self._updated_in_iteration and self._saved_iteration != it:
+                checkpoints.load_stream_state(self, boundary)
+                self.save_checkpoint(it)
+            saved = self._saved_iteration
+            kept = f"checkpoint at iteration {saved}" if saved is not None else "no checkpoint"
+            raise DiffalignError(f"stopped: {exc}; {kept}; fix the reward, then: diffalign resume {self.run_dir}") from None
 
     def accumulate(self, loss: torch.Tensor) -> bool:
         """Backward one micro-batch's loss (normalised by the global number of terms of the step);
@@ -282,8 +315,6 @@ class Trainer:
     def apply_lr_schedule(self, iteration: int) -> float | None:
         """Set this iteration's learning rate from ``optim.lr_schedule`` / ``warmup_iterations``;
         returns it, or None when the rate is constant (the optimizer is left untouched)."""
-        from diffalign.training.backend import lr_factor
-
         opt = self.cfg.optim
         if opt.lr_schedule == "constant" and opt.warmup_iterations == 0:
             return None
@@ -291,8 +322,6 @@ class Trainer:
         return self.backend.set_lr_factor(factor)
 
     def _train_loop(self) -> dict:
-        from diffalign import progress
-
         cfg = self.cfg
         last_eval: dict = {}
         try:
@@ -309,7 +338,7 @@ class Trainer:
             for it in range(self.start_iteration, cfg.max_iterations):
                 t0 = time.perf_counter()
                 lr = self.apply_lr_schedule(it)
-                record = checkpoints.guarded_iteration(self, it)
+                record = self.guarded_iteration(it)
                 record = {"iteration": it, **record, "seconds": time.perf_counter() - t0, **{k: v for k, v in self.stats.items()}}
                 if lr is not None:
                     record["lr"] = lr
@@ -343,8 +372,6 @@ class Trainer:
                 progress.phase("  writing final/" + (" and report.md" if cfg.log.report else "") + " ...")
             self.save_final(final_iteration)
             if cfg.log.report and self.accelerator.is_main_process:
-                from diffalign.report import write_report
-
                 write_report(self.run_dir)
             self.after_training()
         finally:

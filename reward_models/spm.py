@@ -1,4 +1,4 @@
-"""``spm``: a step-aware preference model (:mod:`diffalign.spo.model`) as a reward that takes a timestep.
+"""``spm``: a step-aware preference model (:mod:`diffalign.spm.model`) as a reward that takes a timestep.
 
 As a plain reward (``reward(images, prompts, metadata)``) it scores clean images (noise level
 ``t``, default 0) or, per sample, at ``metadata[i]["noise_level"]`` when given. Methods that
@@ -38,7 +38,7 @@ class StepAwarePreference:
 
     def __init__(self, model: str = "tiny:shapes", processor: Optional[str] = None, t: float = 0.0,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, batch_size: int = 64):
-        from diffalign.spo.model import load_spm
+        from diffalign.spm.model import load_spm
         from reward_models.loading import parse_dtype
 
         if not 0.0 <= float(t) <= 1.0:

@@ -11,10 +11,10 @@ the run fine-tuned all weights, as the main config does). See docs/python_api.md
 import sys
 
 from diffalign.adapters import load_adapter
-from diffalign.config import load_config
+from diffalign.config_files import load_config
 from diffalign.evaluation import comparison_columns, evaluate_shapes, format_table
 from diffalign.export import export_run, load_trained_adapter
-from diffalign.recipes import build_trainer
+from diffalign.trainer import build_trainer
 from diffalign.shapes import split_prompts
 
 out = sys.argv[1] if len(sys.argv) > 1 else "runs/python_api"

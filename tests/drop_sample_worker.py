@@ -5,7 +5,7 @@ what a sharding defect that loses one sample does."""
 import sys
 
 from diffalign.config_files import load_config
-from diffalign.recipes import build_trainer
+from diffalign.trainer import build_trainer
 
 
 def main(config: str, *overrides: str) -> None:

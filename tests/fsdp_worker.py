@@ -7,7 +7,7 @@ import sys
 import torch
 
 from diffalign.config_files import load_config
-from diffalign.recipes import build_trainer
+from diffalign.trainer import build_trainer
 
 
 def main(run_dir: str, *overrides: str) -> None:

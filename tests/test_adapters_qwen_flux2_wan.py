@@ -25,7 +25,7 @@ def guide(adapter, uncond, cond, g):
     """The family's CFG formula on unpacked outputs."""
     if adapter.family == "qwen":  # per packed token: comb rescaled to the cond norm
         from diffalign.adapters.flux import pack_latents, unpack_latents
-        from diffalign.adapters.qwenimage import rescaled_cfg
+        from diffalign.adapters.qwen import rescaled_cfg
 
         return unpack_latents(rescaled_cfg(pack_latents(uncond), pack_latents(cond), g), *cond.shape[2:])
     return uncond + g * (cond - uncond)

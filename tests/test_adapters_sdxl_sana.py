@@ -263,7 +263,7 @@ def test_bad_ids_and_options_raise_model_load_error(tmp_path):
 
 
 # ---- one training iteration through the CLI ----------------------------------------------
-@pytest.mark.parametrize("config", ["configs/tiny/ddpo_sdxl.yaml", "configs/tiny/flow_grpo_sana.yaml"])
+@pytest.mark.parametrize("config", ["configs/tiny/flow_grpo_ddim_sdxl.yaml", "configs/tiny/flow_grpo_sana.yaml"])
 def test_train_one_iteration(repo_root, tmp_path, config):
     from diffalign.cli import main
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from diffalign.algorithms.awm import awm_loss, matching_weight, scaled_advantages, stratified_levels
-from diffalign.config import load_config
-from diffalign.recipes import available, build_trainer
+from diffalign.config_files import load_config
+from diffalign.recipes import available
+from diffalign.trainer import build_trainer
 from diffalign.recipes.awm import AWMTrainer
 from tests.helpers.tiny_run import FAST, ROOT, run_cli
 

@@ -2,9 +2,7 @@
 the tree sampler (exact NFE, shared prefixes = linear rollouts, on-policy ratio 1 on every edge);
 the recipe end to end (metrics, report picture, Mix, pruning) and its bad-input errors."""
 
-import json
 import math
-import os
 
 import pytest
 import torch
@@ -19,13 +17,13 @@ from diffalign.algorithms.branch_grpo import (
     width_pruning_mask,
     zero_std_trees,
 )
-from diffalign.cli import main
 from diffalign.sampling import build_kernel, sample_linear
 from diffalign.sampling.tree import expected_forwards, sample_tree
+from tests.helpers.adapters import sd3  # noqa: F401 (fixture)
+from tests.helpers.tiny_run import FAST, run_cli, train_records
 
 SD3 = "configs/tiny/branch_grpo_sd3.yaml"
 FLUX = "configs/tiny/branch_grpo_flux.yaml"
-FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
 PX = 32
 
 # The hand tree: 4 steps, splits at steps 0 and 2, k = 2.
@@ -35,19 +33,6 @@ PX = 32
 #   depth 3: 5 6 7 8      (split at step 2)
 #   depth 4: 9 10 11 12   (leaves)
 HAND = TreeStructure(4, (0, 2), 2)
-
-
-def run_cli(repo_root, *args):
-    cwd = os.getcwd()
-    os.chdir(repo_root)
-    try:
-        return main(list(args))
-    finally:
-        os.chdir(cwd)
-
-
-def train_records(out):
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
 
 
 # ---------------------------------------------------------------------------------- topology
@@ -150,11 +135,6 @@ def test_width_pruning_and_training_edges_by_hand():
 # ---------------------------------------------------------------------------------- the sampler
 
 
-@pytest.fixture(scope="module")
-def sd3():
-    return load_adapter("tiny:sd3")
-
-
 def _noise(adapter, tree, P, sde_mask, seed):
     g = torch.Generator().manual_seed(seed)
     latent = adapter.latent_shape(PX, PX)
@@ -255,7 +235,7 @@ def test_on_policy_ratio_is_one_on_every_trained_edge(family, kernel, noise, mas
 
 def test_recipe_end_to_end_metrics_and_tree_picture(repo_root, tmp_path):
     out = tmp_path / "r"
-    code = run_cli(repo_root, "train", SD3, f"output_dir={out}", "max_iterations=2", *FAST, "log.report=true",
+    code = run_cli("train", SD3, f"output_dir={out}", "max_iterations=2", *FAST, "log.report=true",
                    "algorithm.forward_memory_mb=64")
     assert code == 0
     recs = train_records(out)
@@ -283,8 +263,8 @@ def test_mix_window_and_pruning_choose_the_trained_edges(repo_root, tmp_path, mo
 
     monkeypatch.setattr(recipe, "sample_tree", spy)
     out = tmp_path / "mix"
-    assert run_cli(repo_root, "train", SD3, f"output_dir={out}", "max_iterations=2", *FAST, "sampling.window_size=1",
-                   "sampling.window_mode=sliding", "algorithm.filter_zero_std_trees=false", "algorithm.shared_root_noise=true") == 0
+    assert run_cli("train", SD3, f"output_dir={out}", "max_iterations=2", *FAST, "sampling.window_size=1",
+                   "sampling.window_mode=sliding", "algorithm.filter_zero_std_groups=false", "algorithm.shared_root_noise=true") == 0
     assert len(roots) == 2 and all(torch.equal(r[0], r[1]) for r in roots)  # both prompts' trees start from one noise
     assert not torch.equal(roots[0], roots[1])  # ... drawn afresh every iteration
     recs = train_records(out)
@@ -293,8 +273,8 @@ def test_mix_window_and_pruning_choose_the_trained_edges(repo_root, tmp_path, mo
     assert [r["nfe_train"] for r in recs] == [r["edges_trained"] for r in recs] == [12, 16]
     # depth pruning of depths 5, 6 and width pruning (top half of 4 branches) on FLUX (no CFG)
     out = tmp_path / "pruned"
-    assert run_cli(repo_root, "train", FLUX, f"output_dir={out}", "max_iterations=1", *FAST, "algorithm.depth_pruning=[5,6]",
-                   "algorithm.width_pruning=top", "algorithm.filter_zero_std_trees=false") == 0
+    assert run_cli("train", FLUX, f"output_dir={out}", "max_iterations=1", *FAST, "algorithm.depth_pruning=[5,6]",
+                   "algorithm.width_pruning=top", "algorithm.filter_zero_std_groups=false") == 0
     (r,) = train_records(out)
     # per tree 20 edges; depths 5 and 6 (4 + 4) pruned; at depth 4, 2 of 4 branches pruned -> 10
     assert r["edges_trainable"] == 40 and r["edges_trained"] == 20 and r["pruned_frac"] == 0.5
@@ -316,7 +296,7 @@ def test_bad_input_fails_before_sampling(repo_root, tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(recipe, "sample_tree", no_sampling)
     out = tmp_path / "r"
-    assert run_cli(repo_root, "train", SD3, f"output_dir={out}", *FAST, *overrides) == 2
+    assert run_cli("train", SD3, f"output_dir={out}", *FAST, *overrides) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and needle in err[0], err
     assert not out.exists()  # nothing on disk either

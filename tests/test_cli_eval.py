@@ -104,7 +104,8 @@ def test_config_and_train_share_one_check(monkeypatch):
     """train's build_trainer raises the same error as config, before building a model."""
     from diffalign.config_files import load_config
     from diffalign.errors import ConfigError
-    from diffalign.recipes import build_trainer, check_config
+    from diffalign.trainer import build_trainer
+    from diffalign.training.checks import check_config
 
     cfg = load_config(ROOT / SHAPES_CONFIG, ["reward.name=pickscor"])
     with pytest.raises(ConfigError) as checked:

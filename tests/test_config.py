@@ -1,9 +1,11 @@
 import pytest
 import torch
 
-from diffalign.config import FlowGRPOConfig, ModelConfig, RunConfig, sections
+from diffalign.config import ModelConfig, RunConfig, sections
+from diffalign.recipes.flow_grpo import FlowGRPOConfig
 from diffalign.config_files import apply_overrides, dump_config, load_config
 from diffalign.errors import ConfigError
+from tests.helpers.tiny_run import ROOT
 
 
 def write(tmp_path, text):
@@ -140,3 +142,43 @@ def test_bad_images_per_family_is_one_line_naming_the_key(tmp_path, capsys):
     assert main(["config", str(write(tmp_path, "seed: 0\n")), "eval.images_per_family=0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: config key 'eval.images_per_family' must be >= 1"]
+
+
+def test_shared_method_options_are_declared_once_with_each_methods_defaults():
+    import re
+
+    from diffalign.recipes import config_class
+
+    # SPO's and Diffusion-DPO's beta and clip_range belong to other losses (a DPO temperature, a ratio clamp)
+    files = [ROOT / "diffalign" / "config.py", *(p for p in (ROOT / "diffalign" / "recipes").glob("*.py")
+                                                 if p.stem not in ("spo", "diffusion_dpo"))]
+    sources = "".join(p.read_text() for p in files)
+    for key in ("clip_range", "beta", "logprob_reduction", "advantage_clip", "advantage_eps", "advantage_std",
+                "filter_zero_std_groups"):
+        assert len(re.findall(rf"^    {key}: .* = ", sources, re.M)) == 1, key
+    defaults = {name: config_class(name)() for name in ("flow_grpo", "branch_grpo", "stepwise_flow_grpo", "drm_step_grpo",
+                                                         "diffusion_nft", "awm")}
+    assert (defaults["flow_grpo"].beta, defaults["flow_grpo"].clip_range) == (0.04, 1e-4)
+    assert (defaults["branch_grpo"].clip_range, defaults["branch_grpo"].advantage_eps) == (1e-3, 1e-8)
+    assert not defaults["diffusion_nft"].filter_zero_std_groups and not defaults["awm"].filter_zero_std_groups
+    assert all(c.advantage_clip == 5.0 for c in defaults.values())
+
+
+def test_renamed_keys_and_recipes_still_load_with_a_notice(capsys):
+    cfg = load_config(None, ["algorithm.name=diffusion_nft", "algorithm.adv_clip=3.0"])
+    assert cfg.algorithm.advantage_clip == 3.0
+    assert "'algorithm.adv_clip' is deprecated" in capsys.readouterr().err
+    cfg = load_config(None, ["algorithm.name=drm_step_grpo", "algorithm.filter_zero_std=false"])
+    assert cfg.algorithm.filter_zero_std_groups is False
+    with pytest.raises(ConfigError, match="old name of 'filter_zero_std_groups'"):
+        load_config(None, ["algorithm.name=branch_grpo", "algorithm.filter_zero_std_trees=false",
+                           "algorithm.filter_zero_std_groups=false"])
+    cfg = load_config("tiny/ddpo_sd15")
+    assert cfg.sampling.kernel == "ddim" and "now called 'tiny/flow_grpo_ddim_sd15'" in capsys.readouterr().err
+
+
+def test_a_nested_method_config_names_its_path():
+    with pytest.raises(ConfigError, match="'algorithm.flow_grpo.clip_range'"):
+        load_config(None, ["algorithm.name=sol_rl", "algorithm.flow_grpo.clip_range=2"])
+    with pytest.raises(ConfigError, match="'algorithm.diffusion_nft.advantage_clip'"):
+        load_config(None, ["algorithm.name=sol_rl", "algorithm.diffusion_nft.advantage_clip=0"])

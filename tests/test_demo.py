@@ -15,7 +15,7 @@ from diffalign.export import load_trained_adapter
 from diffalign.sampling import sample_images
 from tests.helpers.tiny_run import trained_run
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.tiny_run import ROOT
 ARTIFACTS = ROOT / "tests" / "artifacts"  # screenshots land here (ignored by git)
 CHROMIUM = "/usr/bin/chromium"
 # Flags for Debian's chromium in a sandbox-less container without network (see docs/environment.md).

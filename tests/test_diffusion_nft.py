@@ -1,31 +1,18 @@
 """DiffusionNFT: the loss on hand-computed numbers, the old adapter (second peft adapter, EMA), end to end."""
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from diffalign.algorithms.diffusion_nft import ema_update_, nft_loss, old_policy_decay, optimality_probability
-from diffalign.cli import main
 from diffalign.config_files import load_config
-from diffalign.recipes import build_trainer
+from diffalign.trainer import build_trainer
 from diffalign.recipes.diffusion_nft import OLD_ADAPTER, DiffusionNFTTrainer
 from diffalign.training.checks import SelfCheckError
+from tests.helpers.tiny_run import FAST, ROOT, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny/diffusion_nft_sd3.yaml"
-FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
-
-
-def run_cli(repo_root, *args):
-    cwd = os.getcwd()
-    os.chdir(repo_root)
-    try:
-        return main(list(args))
-    finally:
-        os.chdir(cwd)
 
 
 # ---- the loss, by hand ---------------------------------------------------------------------
@@ -225,7 +212,7 @@ def test_rollout_samples_are_seeded_odes_of_the_old_policy(trainer):
 
 def test_train_end_to_end(repo_root, tmp_path):
     out = tmp_path / "run"
-    code = run_cli(repo_root, "train", CONFIG, f"output_dir={out}", "max_iterations=1", *FAST)
+    code = run_cli("train", CONFIG, f"output_dir={out}", "max_iterations=1", *FAST)
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if not r.get("eval")]
@@ -245,11 +232,11 @@ def test_train_end_to_end(repo_root, tmp_path):
 
 def test_bad_input_is_refused_before_anything_runs(repo_root, tmp_path, capsys):
     out = tmp_path / "run"
-    assert run_cli(repo_root, "train", CONFIG, f"output_dir={out}", "lora.enabled=false", *FAST) == 2
+    assert run_cli("train", CONFIG, f"output_dir={out}", "lora.enabled=false", *FAST) == 2
     assert "lora.enabled" in capsys.readouterr().err and not out.exists()
-    assert run_cli(repo_root, "train", CONFIG, f"output_dir={out}", "algorithm.nft_beta=0", *FAST) == 2
+    assert run_cli("train", CONFIG, f"output_dir={out}", "algorithm.nft_beta=0", *FAST) == 2
     assert "algorithm.nft_beta" in capsys.readouterr().err and not out.exists()
-    assert run_cli(repo_root, "train", CONFIG, f"output_dir={out}", "sampling.num_steps=0", *FAST) == 2
+    assert run_cli("train", CONFIG, f"output_dir={out}", "sampling.num_steps=0", *FAST) == 2
     assert "sampling.num_steps" in capsys.readouterr().err and not out.exists()
-    code = run_cli(repo_root, "train", CONFIG, f"output_dir={out}", "model.id=tiny:sd15", "model.resolution=32", *FAST)
+    code = run_cli("train", CONFIG, f"output_dir={out}", "model.id=tiny:sd15", "model.resolution=32", *FAST)
     assert code == 2 and "flow-matching" in capsys.readouterr().err and not out.exists()

@@ -13,20 +13,16 @@ import json
 
 import pytest
 
-from tests.helpers.compare import COMPARABLE, FAST, OTHER_ALGORITHMS, assert_same_update, weights
+from tests.helpers.compare import COMPARABLE, OTHER_ALGORITHMS, REL, SHORT_RUN, assert_same_update, weights
 from tests.helpers.launch import launch, start_run
+from tests.helpers.tiny_run import train_records
 
-REL = 1e-3  # largest weight difference allowed, in units of the update
 # SGD steps are lr x gradient and the policy gradients of the tiny models are small (~1e-4 for
 # Flow-GRPO): each learning rate below and in tests/helpers/compare.py's OTHER_ALGORITHMS moves the
 # weights by about 1e-2 in two iterations.
 COMMON = ["configs/tiny/flow_grpo_sd3.yaml", "max_iterations=2", "log.progress_bar=false", "log.report=false",
           "eval.at_start=false", "sampling.eval_num_steps=2", "train.ema.enabled=false", "optim.lr=50",
           "train.batch_size=64", *COMPARABLE]
-
-
-def train_records(out):
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +61,7 @@ def test_other_algorithms_two_processes_match_one(repo_root, tmp_path, shared_ru
     """Every recipe draws global noise, prompts and shuffles and normalises by global term counts:
     two processes log the same numbers and end at the same weights as one (up to summation order)."""
     config, both, one_proc, two_proc = OTHER_ALGORITHMS[name]
-    base = ["-m", "diffalign.cli", "train", config, *FAST, *both]
+    base = ["-m", "diffalign.cli", "train", config, *SHORT_RUN, *both]
     start, one = tmp_path / "start", tmp_path / "one"
     start_run([*base, *one_proc], start)
     launch([*base, f"output_dir={one}", *one_proc], repo_root)

@@ -5,30 +5,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 from PIL import Image
 
-from diffalign.algorithms.dpo import diffusion_dpo_loss, per_sample_mse
-from diffalign.cli import main
+from diffalign.algorithms.diffusion_dpo import diffusion_dpo_loss, per_sample_mse
+from tests.helpers.tiny_run import FAST, run_cli
 
-QUIET = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
 CONFIG = "configs/shapes/diffusion_dpo.yaml"
 TINY = ["model.id=tiny:sd15", "model.resolution=32", "sampling.kernel=ddim", "sampling.noise_level=1.0", "train.batch_size=4",
         "train.optimizer_steps_per_iteration=1", "prompts.source=list", "prompts.train=[a cat,a dog]", "prompts.eval=[a cat]",
         "reward.name=jpeg_compressibility", "reward.kwargs={}"]
-
-
-def run_cli(repo_root, *args):
-    cwd = os.getcwd()
-    os.chdir(repo_root)
-    try:
-        return main([str(a) for a in args])
-    finally:
-        os.chdir(cwd)
 
 
 # ---------------------------------------------------------------- the loss
@@ -155,7 +144,7 @@ def _pair_file(folder, labels):
 def test_dpo_trains_from_a_pair_file_starting_at_the_reference(repo_root, tmp_path):
     pairs = _pair_file(tmp_path / "pairs", [1, 0, 0.5, 1])
     out = tmp_path / "run"
-    code = run_cli(repo_root, "train", CONFIG, f"output_dir={out}", f"algorithm.pairs={pairs}", "max_iterations=2", *TINY, *QUIET)
+    code = run_cli("train", CONFIG, f"output_dir={out}", f"algorithm.pairs={pairs}", "max_iterations=2", *TINY, *FAST)
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if not r.get("eval")]
@@ -170,8 +159,8 @@ def test_dpo_trains_from_a_pair_file_starting_at_the_reference(repo_root, tmp_pa
 
 def test_dpo_generates_pairs_from_the_base_model(repo_root, tmp_path):
     out = tmp_path / "run"
-    code = run_cli(repo_root, "train", CONFIG, f"output_dir={out}", "max_iterations=1", "algorithm.generate_images_per_prompt=2",
-                   *TINY, *QUIET)
+    code = run_cli("train", CONFIG, f"output_dir={out}", "max_iterations=1", "algorithm.generate_images_per_prompt=2",
+                   *TINY, *FAST)
     assert code == 0
     lines = (out / "pairs" / "pairs.jsonl").read_text().splitlines()
     assert len(lines) == 2  # one pair per prompt (2 images), labelled by the reward; no ties with jpeg sizes
@@ -186,7 +175,7 @@ def test_dpo_generates_pairs_from_the_base_model(repo_root, tmp_path):
 ])
 def test_dpo_bad_input_is_one_line_and_exit_2(repo_root, tmp_path, capsys, extra, needle):
     out = tmp_path / "run"
-    code = run_cli(repo_root, "train", CONFIG, f"output_dir={out}", *TINY, *extra, *QUIET)
+    code = run_cli("train", CONFIG, f"output_dir={out}", *TINY, *extra, *FAST)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and needle in err[0], err
     assert not out.exists()
@@ -194,12 +183,12 @@ def test_dpo_bad_input_is_one_line_and_exit_2(repo_root, tmp_path, capsys, extra
 
 def test_dpo_refuses_bad_labels_and_only_ties(repo_root, tmp_path, capsys):
     bad = _pair_file(tmp_path / "bad", [1, 0.7])
-    code = run_cli(repo_root, "train", CONFIG, f"output_dir={tmp_path / 'run'}", f"algorithm.pairs={bad}", *TINY, *QUIET)
+    code = run_cli("train", CONFIG, f"output_dir={tmp_path / 'run'}", f"algorithm.pairs={bad}", *TINY, *FAST)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "pairs.jsonl:2: label_0 must be 0, 0.5 or 1, got 0.7" in err[0], err
     assert not (tmp_path / "run").exists()
     ties = _pair_file(tmp_path / "ties", [0.5, 0.5])
-    code = run_cli(repo_root, "train", CONFIG, f"output_dir={tmp_path / 'run2'}", f"algorithm.pairs={ties}", *TINY, *QUIET)
+    code = run_cli("train", CONFIG, f"output_dir={tmp_path / 'run2'}", f"algorithm.pairs={ties}", *TINY, *FAST)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "no preference pairs with a winner" in err[0], err
     assert not (tmp_path / "run2").exists()

@@ -3,7 +3,6 @@ pair sources, training, Step-GRPO end to end, step-wise sampling and the CLI's b
 
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -11,8 +10,7 @@ import torch
 
 import reward_models
 from diffalign.algorithms.continuation import choose_continuation
-from diffalign.algorithms.step_grpo import bradley_terry_loss, candidate_advantages, pairwise_accuracy
-from diffalign.cli import main
+from diffalign.algorithms.drm_step_grpo import bradley_terry_loss, candidate_advantages, pairwise_accuracy
 from diffalign.config_files import load_config
 from diffalign.drm.model import DiffusionRewardModel, DRMError, num_droppable_blocks
 from diffalign.forward_process import add_noise, encode_images, model_time
@@ -20,24 +18,14 @@ from diffalign.pairs import LatentPairs, PairFileError, generate_latent_pairs, l
 from diffalign.drm.sampling import stepwise_sample
 from diffalign.drm.train import accuracy_vs_t
 from diffalign.errors import ConfigError, RewardError
-from diffalign.recipes.drm_step_grpo import StepGRPOTrainer
+from diffalign.recipes.drm_step_grpo import DRMStepGRPOTrainer
 from diffalign.sampling import build_kernel, sample_linear
+from tests.helpers.tiny_run import FAST_ONE_PROMPT, run_cli
 
-FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2",
-        "eval.samples_per_prompt=1", "eval.num_prompts=1"]
 STEP_GRPO = "configs/shapes/drm_step_grpo.yaml"
 
 
-def run_cli(repo_root, *args):
-    cwd = os.getcwd()
-    os.chdir(repo_root)
-    try:
-        return main(list(args))
-    finally:
-        os.chdir(cwd)
-
-
-def one_error_line(capsys) -> str:
+def last_error_line(capsys) -> str:
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1, err
     return err[0]
@@ -272,7 +260,7 @@ def test_drm_learns_a_preference_and_chance_at_pure_noise():
 def test_train_reward_cli_from_a_pairs_file(repo_root, tmp_path):
     path = pick_a_pic_file(tmp_path / "data")
     out = tmp_path / "drm"
-    code = run_cli(repo_root, "train-reward", STEP_GRPO, f"output_dir={out}", "drm.base=tiny:shapes",
+    code = run_cli("train-reward", STEP_GRPO, f"output_dir={out}", "drm.base=tiny:shapes",
                    "drm.drop_last_blocks=3", "drm.head_width=8", "pairs.source=file", f"pairs.file={path}", "pairs.eval_fraction=0.3",
                    "train.steps=2", "train.batch_size=2", "eval.t_grid=[0.0,0.5]", "log.progress_bar=false")
     assert code == 0
@@ -311,8 +299,8 @@ def test_train_reward_bad_input(repo_root, tmp_path, capsys, args, needle):
     (tmp_path / "bad" / "img" / "1_0.png").unlink()
     args = [a.replace("MISSING_IMAGE", str(bad)).replace("GOOD", str(good)) for a in args]
     out = tmp_path / "drm"
-    assert run_cli(repo_root, "train-reward", STEP_GRPO, f"output_dir={out}", "drm.base=tiny:shapes", *args) == 2
-    assert needle in one_error_line(capsys)
+    assert run_cli("train-reward", STEP_GRPO, f"output_dir={out}", "drm.base=tiny:shapes", *args) == 2
+    assert needle in last_error_line(capsys)
     assert not out.exists()
 
 
@@ -320,14 +308,14 @@ def test_train_reward_bad_input(repo_root, tmp_path, capsys, args, needle):
 def step_grpo_args(tmp_path, drm_dir):
     return [f"output_dir={tmp_path / 'r'}", "model.id=tiny:shapes", f"reward.kwargs.path={drm_dir}", "max_iterations=1",
             "rollout.prompts_per_iteration=1", "rollout.group_size=2", "sampling.num_steps=2", "algorithm.num_candidates=3",
-            "lora.rank=4", *FAST]
+            "lora.rank=4", *FAST_ONE_PROMPT]
 
 
 def test_step_grpo_end_to_end_best_then_random_continuation(repo_root, tmp_path, drm_dir):
     cfg = load_config(repo_root / STEP_GRPO, step_grpo_args(tmp_path, drm_dir) + ["max_iterations=2"])
     seen = []
 
-    class Spy(StepGRPOTrainer):
+    class Spy(DRMStepGRPOTrainer):
         def rollout(self, iteration):
             self.algo.continuation = ("best", "random")[iteration]  # both switches in one run
             seen.append(super().rollout(iteration))
@@ -357,8 +345,8 @@ def test_step_grpo_end_to_end_best_then_random_continuation(repo_root, tmp_path,
     (["model.id=tiny:sd3"], "cannot score sd3 latents"),
 ])
 def test_step_grpo_bad_input(repo_root, tmp_path, capsys, drm_dir, args, needle):
-    assert run_cli(repo_root, "train", STEP_GRPO, *step_grpo_args(tmp_path, drm_dir), *args) == 2
-    assert needle in one_error_line(capsys)
+    assert run_cli("train", STEP_GRPO, *step_grpo_args(tmp_path, drm_dir), *args) == 2
+    assert needle in last_error_line(capsys)
     assert not (tmp_path / "r").exists()
 
 
@@ -393,17 +381,17 @@ def test_stepwise_sampling_keeps_the_best_candidate():
 
 def test_sample_cli(repo_root, tmp_path, drm_dir, capsys):
     common = ["sample", "--model", "tiny:shapes", "--prompts", "heldout", "--num-prompts", "1", "--steps", "2"]
-    assert run_cli(repo_root, *common, "--out", str(tmp_path / "plain"), "--reward", "shapes_eval") == 0
+    assert run_cli(*common, "--out", str(tmp_path / "plain"), "--reward", "shapes_eval") == 0
     plain = json.loads((tmp_path / "plain" / "samples.json").read_text())
     assert plain["summary"]["method"] == "plain ODE" and len(plain["images"]) == 1 and "reward/acc/overall" in plain["summary"]
-    assert run_cli(repo_root, *common, "--out", str(tmp_path / "sw"), "--drm", str(drm_dir), "--branches", "2") == 0
+    assert run_cli(*common, "--out", str(tmp_path / "sw"), "--drm", str(drm_dir), "--branches", "2") == 0
     assert json.loads((tmp_path / "sw" / "samples.json").read_text())["summary"]["method"] == "stepwise k=2"
     assert (tmp_path / "sw" / "grid.png").is_file()
     capsys.readouterr()
     for bad, needle in ((["--branches", "0"], "--branches"), (["--branches", "65", "--drm", str(drm_dir)], "--branches"),
                         (["--branches", "3"], "needs --drm"), (["--branches", "2", "--drm", str(tmp_path)], "not a DRM folder")):
-        assert run_cli(repo_root, *common, "--out", str(tmp_path / "bad"), *bad) == 2
-        assert needle in one_error_line(capsys)
+        assert run_cli(*common, "--out", str(tmp_path / "bad"), *bad) == 2
+        assert needle in last_error_line(capsys)
 
 
 def test_sample_prompts_outside_the_shapes_grammar_are_warned_about_or_refused():

@@ -14,15 +14,14 @@ from diffalign.config_files import load_config
 def test_group_plan_shares_initial_noise_within_groups_when_asked(repo_root, tmp_path, shared):
     """rollout.shared_noise: every image of a group starts from its group's noise, the groups'
     noises differ, and the per-step SDE noise stays independent per image."""
-    from diffalign.recipes import build_trainer
-    from diffalign.training.groups import plan_group_rollout
+    from diffalign.trainer import build_trainer
 
     cfg = load_config(str(repo_root / "configs/shapes/flow_grpo.yaml"), [
         f"output_dir={tmp_path / 'run'}", "model.id=tiny:shapes", "log.progress_bar=false", "log.report=false",
         "rollout.prompts_per_iteration=3", "rollout.group_size=4", f"rollout.shared_noise={str(shared).lower()}"])
     trainer = build_trainer(cfg, overwrite=True)
     trainer.setup()
-    plan = plan_group_rollout(trainer, 0)
+    plan = trainer.plan_group_rollout(0)
     noise = plan.noise.flatten(1)
     assert noise.shape[0] == 12
     same_in_group = [torch.equal(noise[i], noise[i - 1]) for i in range(1, 12) if i % 4]
@@ -35,7 +34,7 @@ def test_group_plan_shares_initial_noise_within_groups_when_asked(repo_root, tmp
 def test_flow_grpo_with_coarse_noise_is_on_policy_and_learns(repo_root, tmp_path):
     """sampling.noise_pool: rollouts explore on 4x4 block-constant noise; the update re-scores them
     with ratio exactly 1 before the first step, and gradients reach the weights (KL term included)."""
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
 
     cfg = load_config(str(repo_root / "configs/shapes/flow_grpo.yaml"), [
         f"output_dir={tmp_path / 'run'}", "model.id=tiny:shapes", "max_iterations=1", "log.progress_bar=false",
@@ -52,7 +51,7 @@ def test_flow_grpo_with_coarse_noise_is_on_policy_and_learns(repo_root, tmp_path
 
 def test_coarse_noise_config_errors(repo_root, tmp_path):
     from diffalign.errors import ConfigError
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
 
     base = [f"output_dir={tmp_path / 'run'}", "model.id=tiny:shapes", "sampling.noise_pool=4"]
     with pytest.raises(ConfigError, match="sampling.noise_pool"):

@@ -63,7 +63,7 @@ def test_detached_uncond_keeps_the_value_and_drops_its_gradient():
 def test_fast_settings_keep_the_on_policy_ratio_at_one(repo_root, tmp_path, precision):
     """Rollouts and updates run in the same precision and memory format: the self-check (every
     |log ratio| <= train.self_check_tolerance before the first update) passes, and weights move."""
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
 
     cfg = load_config(str(repo_root / "configs/shapes/flow_grpo.yaml"), [
         f"output_dir={tmp_path / 'run'}", "model.id=tiny:shapes", "max_iterations=1", "log.progress_bar=false",

@@ -15,18 +15,14 @@ import pytest
 import torch
 
 from diffalign.cli import main as cli_main
-from tests.helpers.compare import COMPARABLE, FAST, OTHER_ALGORITHMS, assert_same_update, weights
+from tests.helpers.compare import COMPARABLE, OTHER_ALGORITHMS, REL, SHORT_RUN, assert_same_update, weights
 from tests.helpers.launch import launch as run, start_run
+from tests.helpers.tiny_run import train_records
 
-REL = 1e-3  # largest weight difference allowed, in units of the update
 # SGD steps are lr x gradient: lr 2 moves the full fine-tuning's EMA weights by ~1.5e-3 in three iterations
 COMMON = ["configs/tiny/flow_grpo_sd3.yaml", "log.progress_bar=false", "log.report=false", "eval.at_start=false",
           "sampling.eval_num_steps=2", "optim.lr=2", "train.batch_size=64", *COMPARABLE]
 FULL_FT = ["lora.enabled=false", "train.ema.enabled=true", "train.ema.every=1", "checkpoint.every=1"]
-
-
-def records(out):
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
 
 
 def test_fsdp_full_finetuning_matches_one_process_and_resumes_exactly(repo_root, tmp_path):
@@ -40,14 +36,14 @@ def test_fsdp_full_finetuning_matches_one_process_and_resumes_exactly(repo_root,
     merged = "final/transformer/diffusion_pytorch_model.safetensors"  # the merged pipeline (EMA weights)
     b = weights(two, merged)
     assert_same_update(weights(start, merged), weights(one, merged), b, rel=REL, min_update=5e-4)
-    assert [r["reward_mean"] for r in records(two)] == pytest.approx([r["reward_mean"] for r in records(one)], rel=1e-3)
+    assert [r["reward_mean"] for r in train_records(two)] == pytest.approx([r["reward_mean"] for r in train_records(one)], rel=1e-3)
     # interrupted after 2 iterations, resumed to 3: the full optimizer, EMA and weights were saved and re-sharded
     run([*train, f"output_dir={part}", "max_iterations=2", *fsdp], repo_root, nproc=2)
     run(["-m", "diffalign.cli", "resume", str(part), "max_iterations=3"], repo_root, nproc=2)
     c = weights(part, merged)
     for k in b:
         torch.testing.assert_close(b[k], c[k], rtol=1e-6, atol=1e-7)
-    assert [r["reward_mean"] for r in records(two)] == [r["reward_mean"] for r in records(part)]
+    assert [r["reward_mean"] for r in train_records(two)] == [r["reward_mean"] for r in train_records(part)]
 
 
 def test_fsdp_process_without_micro_batches_joins_the_others(repo_root, tmp_path):
@@ -89,13 +85,13 @@ def test_fsdp_accelerate_config_makes_an_fsdp_run(monkeypatch):
     env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
     cfg = load_config("configs/tiny/flow_grpo_sd3.yaml")
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    assert not distributed.fsdp_requested(cfg)
+    assert not distributed.fsdp_requested(cfg.train.fsdp, cfg.train.zero_stage)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert distributed.fsdp_requested(cfg)
+    assert distributed.fsdp_requested(cfg.train.fsdp, cfg.train.zero_stage)
     cfg.train.zero_stage = 2
     with pytest.raises(ConfigError, match="exclude each other"):
-        distributed.fsdp_requested(cfg)
+        distributed.fsdp_requested(cfg.train.fsdp, cfg.train.zero_stage)
 
 
 def test_fsdp_stepwise_flow_grpo_matches_data_parallel(repo_root, tmp_path):
@@ -109,7 +105,7 @@ def test_fsdp_stepwise_flow_grpo_matches_data_parallel(repo_root, tmp_path):
     run([*train, f"output_dir={ddp}"], repo_root, nproc=2)
     run([*train, f"output_dir={fsdp}", "train.fsdp=true"], repo_root, nproc=2)
     assert_same_update(weights(start), weights(ddp), weights(fsdp), rel=REL, min_update=1e-3)
-    assert [r["reward_mean"] for r in records(fsdp)] == pytest.approx([r["reward_mean"] for r in records(ddp)], rel=1e-3)
+    assert [r["reward_mean"] for r in train_records(fsdp)] == pytest.approx([r["reward_mean"] for r in train_records(ddp)], rel=1e-3)
 
 
 PREFERENCE = ("spo", "diffusion_dpo")  # two processes, LoRA: the same runs as tests/test_distributed.py's
@@ -121,11 +117,11 @@ def test_fsdp_preference_methods_match_data_parallel(repo_root, tmp_path, shared
     pairs, then a slice of one global draw per micro-batch) keep the processes' forwards in
     lockstep by construction: under FSDP they give plain data parallelism's update."""
     config, both, _, two_proc = OTHER_ALGORITHMS[name]
-    train = ["-m", "diffalign.cli", "train", config, *FAST, *both, *two_proc]
+    train = ["-m", "diffalign.cli", "train", config, *SHORT_RUN, *both, *two_proc]
     start, fsdp = tmp_path / "start", tmp_path / "fsdp"
     start_run(train, start)
     ddp, _ = shared_run(train, nproc=2)  # the same run as tests/test_distributed.py's two processes
     res = run([*train, f"output_dir={fsdp}", "train.fsdp=true"], repo_root, nproc=2)
     assert "FSDP:" in res.stderr
     assert_same_update(weights(start), weights(ddp), weights(fsdp), rel=REL, min_update=1e-3)
-    assert [r["loss"] for r in records(ddp)] == pytest.approx([r["loss"] for r in records(fsdp)], rel=1e-3, abs=1e-6)
+    assert [r["loss"] for r in train_records(ddp)] == pytest.approx([r["loss"] for r in train_records(fsdp)], rel=1e-3, abs=1e-6)

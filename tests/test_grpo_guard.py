@@ -15,7 +15,8 @@ from diffalign.algorithms.grpo_guard import (
     inverse_dt_weights,
     reduce_sq_diff,
 )
-from diffalign.config import FlowGRPOConfig, load_config
+from diffalign.config_files import load_config
+from diffalign.recipes.flow_grpo import FlowGRPOConfig
 from diffalign.errors import ConfigError
 from diffalign.recipes._grpo_guard import StepGuard, make_guard
 from tests.helpers.tiny_run import FAST, ROOT, run_cli

@@ -23,7 +23,7 @@ from diffalign.cli import main
 from diffalign.config_files import read_yaml
 from diffalign.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.tiny_run import ROOT
 SKIP = ("__pycache__", "*.pyc")
 
 

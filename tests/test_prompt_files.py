@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from diffalign.config import load_config
+from diffalign.config_files import load_config
 from diffalign.errors import ConfigError
 from diffalign.prompts import read_prompt_file, resolve_prompts
 from tests.helpers.tiny_run import CONFIG, FAST, ROOT, run_cli

@@ -41,7 +41,7 @@ def _with_lora(adapter, *, seed=0, adapter_name="default"):
 
 
 @pytest.fixture(scope="module")
-def sd3():
+def sd3_lora():
     adapter = _with_lora(load_adapter("tiny:sd3"))
     embeds = adapter.encode_prompts(["a cat", "a dog"], with_uncond=False)
     x = torch.randn((2, *adapter.latent_shape(32, 32)), generator=torch.Generator().manual_seed(1))
@@ -53,10 +53,10 @@ def _runs_here(fmt: str) -> bool:
 
 
 @pytest.mark.parametrize("fmt", q.QUANT_FORMATS)
-def test_copy_matches_the_policy_within_the_format_error(sd3, fmt):
+def test_copy_matches_the_policy_within_the_format_error(sd3_lora, fmt):
     if not _runs_here(fmt):
         pytest.skip(q.available_formats("cpu")[fmt])
-    adapter, embeds, x, t = sd3
+    adapter, embeds, x, t = sd3_lora
     cfg = QuantConfig(format=fmt, on_unsupported="emulate", group_size=16)  # tiny widths are 16 / 32
     copy = LowPrecisionCopy(adapter.denoiser, cfg)
     err = velocity_error(adapter, copy, x, t, embeds, 1.0)
@@ -72,8 +72,8 @@ def test_copy_matches_the_policy_within_the_format_error(sd3, fmt):
     assert not any("lora_" in n for n, _ in copy.module.named_parameters())
 
 
-def test_full_copy_merges_lora_exactly_and_quantised_copy_differs(sd3):
-    adapter, embeds, x, t = sd3
+def test_full_copy_merges_lora_exactly_and_quantised_copy_differs(sd3_lora):
+    adapter, embeds, x, t = sd3_lora
     full = LowPrecisionCopy(adapter.denoiser, QuantConfig(format="full"))
     ref = adapter.predict(x, t, embeds)
     with full.swapped_into(adapter):
@@ -89,8 +89,8 @@ def test_full_copy_merges_lora_exactly_and_quantised_copy_differs(sd3):
 
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed")
-def test_resync_follows_the_policy_without_reloading(sd3, monkeypatch):
-    adapter, embeds, x, t = sd3
+def test_resync_follows_the_policy_without_reloading(sd3_lora, monkeypatch):
+    adapter, embeds, x, t = sd3_lora
     denoiser = adapter.denoiser
     saved = {n: p.detach().clone() for n, p in denoiser.named_parameters() if "lora_B" in n}
     copy = LowPrecisionCopy(denoiser, QuantConfig(format="int8"))
@@ -155,8 +155,8 @@ def test_full_finetuning_copy_resyncs_every_weight():
 
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed")
-def test_skip_list_min_dim_alignment_and_first_parameter(sd3):
-    adapter, *_ = sd3
+def test_skip_list_min_dim_alignment_and_first_parameter(sd3_lora):
+    adapter, *_ = sd3_lora
     cfg = QuantConfig(format="int8", skip=["norm_out", "context_embedder"], min_dim=16)
     copy = LowPrecisionCopy(adapter.denoiser, cfg)
     skipped = copy.report.skipped
@@ -233,8 +233,8 @@ def test_native_gpu_formats(fmt, capability):
     assert velocity_error(adapter, copy, x, torch.tensor([0.5], device="cuda"), embeds, 1.0)["rel_l2"] < TOLERANCE[fmt]
 
 
-def test_fidelity_report_rows(sd3, monkeypatch):
-    adapter, *_ = sd3
+def test_fidelity_report_rows(sd3_lora, monkeypatch):
+    adapter, *_ = sd3_lora
     real = q.native_status
     monkeypatch.setattr(q, "native_status", lambda name, device: "pretend missing" if name == "quanto_int8" else real(name, device))
     rows = fidelity.fidelity_report(adapter, ["full", "bf16", "quanto_int8"], ["a cat", "a dog"], resolution=32, num_steps=2, repeats=1)

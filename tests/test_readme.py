@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.tiny_run import ROOT
+
 README = ROOT / "README.md"
 RECIPE_DIRS = ("accelerate", "flux", "sana", "sd15", "sd3", "sdxl", "shapes", "tiny")
 

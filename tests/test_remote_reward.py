@@ -21,7 +21,7 @@ import torch
 import reward_models
 from diffalign.errors import RewardError
 
-FAST = dict(backoff=0.001, max_backoff=0.01)  # retry waits in tests: milliseconds
+QUICK_RETRIES = dict(backoff=0.001, max_backoff=0.01)  # retry waits in tests: milliseconds
 
 
 def _decode_png(text: str) -> np.ndarray:
@@ -90,7 +90,7 @@ def test_round_trip_in_chunks():
     images, prompts = _images(3), ["a", "bb", "ccc"]
     metadata = [{"bonus": 10}, {}, {"bonus": torch.tensor(20)}]  # tensors in metadata are sent as numbers
     with serve(_mean_pixel_plus_prompt_length) as (url, received):
-        reward = reward_models.build("remote", url=url, batch_size=2, timeout=5, **FAST)
+        reward = reward_models.build("remote", url=url, batch_size=2, timeout=5, **QUICK_RETRIES)
         scores = reward(images, prompts, metadata)
     assert [len(r["images"]) for r in received] == [2, 1]  # batch_size images per request
     assert _decode_png(received[0]["images"][1]).shape == (8, 6, 3)  # PNG at the images' own size
@@ -106,14 +106,14 @@ def test_retries_connection_errors_and_5xx_then_succeeds():
         return 200, {"scores": [1.5] * len(payload["images"])}
 
     with serve(flaky) as (url, received):
-        scores = reward_models.build("remote", url=url, retries=2, timeout=5, **FAST)(_images(2), ["a", "b"], [{}, {}])
+        scores = reward_models.build("remote", url=url, retries=2, timeout=5, **QUICK_RETRIES)(_images(2), ["a", "b"], [{}, {}])
     assert len(received) == 3
     assert scores.tolist() == [1.5, 1.5]
 
 
 def test_always_500_gives_up_naming_the_url():
     with serve(lambda payload, index: (500, b"model crashed")) as (url, received):
-        reward = reward_models.build("remote", url=url, retries=2, timeout=5, **FAST)
+        reward = reward_models.build("remote", url=url, retries=2, timeout=5, **QUICK_RETRIES)
         with pytest.raises(RewardError, match=f"{url}: HTTP 500.*model crashed.*after 3 attempts") as info:
             reward(_images(1), ["a"], [{}])
     assert len(received) == 3 and "\n" not in str(info.value)
@@ -122,7 +122,7 @@ def test_always_500_gives_up_naming_the_url():
 def test_client_errors_are_not_retried():
     with serve(lambda payload, index: (400, {"error": "bad prompt"})) as (url, received):
         with pytest.raises(RewardError, match="HTTP 400.*bad prompt"):
-            reward_models.build("remote", url=url, retries=3, **FAST)(_images(1), ["a"], [{}])
+            reward_models.build("remote", url=url, retries=3, **QUICK_RETRIES)(_images(1), ["a"], [{}])
     assert len(received) == 1
 
 
@@ -132,7 +132,7 @@ def test_slow_server_times_out():
         return 200, {"scores": [0.0]}
 
     with serve(slow) as (url, received):
-        reward = reward_models.build("remote", url=url, timeout=0.1, retries=1, **FAST)
+        reward = reward_models.build("remote", url=url, timeout=0.1, retries=1, **QUICK_RETRIES)
         start = time.perf_counter()
         with pytest.raises(RewardError, match=f"{url}: timed out after 0.1 s.*after 2 attempts"):
             reward(_images(1), ["a"], [{}])
@@ -142,7 +142,7 @@ def test_slow_server_times_out():
 def test_connection_refused_is_retried_then_named():
     with serve(lambda payload, index: (200, {"scores": []})) as (url, _):
         pass  # the server is stopped: its port now refuses connections
-    reward = reward_models.build("remote", url=url, retries=1, timeout=1, **FAST)
+    reward = reward_models.build("remote", url=url, retries=1, timeout=1, **QUICK_RETRIES)
     with pytest.raises(RewardError, match=f"{url}: cannot connect.*after 2 attempts"):
         reward(_images(1), ["a"], [{}])
 
@@ -160,13 +160,13 @@ def test_connection_refused_is_retried_then_named():
 def test_malformed_answers(body, message):
     with serve(lambda payload, index: (200, body)) as (url, received):
         with pytest.raises(RewardError, match=message):
-            reward_models.build("remote", url=url, **FAST)(_images(3), ["a", "b", "c"], [{}, {}, {}])
+            reward_models.build("remote", url=url, **QUICK_RETRIES)(_images(3), ["a", "b", "c"], [{}, {}, {}])
     assert len(received) == 1  # a server bug is not retried
 
 
 def test_null_scores_become_nan():
     with serve(lambda payload, index: (200, {"scores": [None, 2]})) as (url, _):
-        scores = reward_models.build("remote", url=url, **FAST)(_images(2), ["a", "b"], [{}, {}])
+        scores = reward_models.build("remote", url=url, **QUICK_RETRIES)(_images(2), ["a", "b"], [{}, {}])
     assert torch.isnan(scores[0]) and scores[1] == 2.0
 
 

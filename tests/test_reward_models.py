@@ -12,8 +12,6 @@ torch; scripts/setup_rewards_env.sh builds such an environment).
 from __future__ import annotations
 
 import json
-import math
-import string
 
 import numpy as np
 import pytest
@@ -24,8 +22,8 @@ import reward_models
 from diffalign.errors import RewardError
 from reward_models.aesthetic import AestheticMLP, AestheticScore
 from reward_models.pickscore import PickScore
+from tests.helpers.clip import IMAGE_SIZE, pooled, tiny_clip_fixture
 
-IMAGE_SIZE = 32
 MEAN, STD = (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)  # not CLIP's, so a processor config that is ignored shows
 
 
@@ -42,49 +40,11 @@ def _pil(images: torch.Tensor) -> list:
     return [Image.fromarray(a) for a in arrays]
 
 
-def _pooled(out):
-    return out if isinstance(out, torch.Tensor) else out.pooler_output
-
-
 # ---------------------------------------------------------------- tiny transformers CLIP
 
 
-def _tiny_tokenizer():
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for char in string.ascii_lowercase:
-        vocab[char] = len(vocab)
-        vocab[char + "</w>"] = len(vocab)
-    merges = [("c", "a"), ("ca", "t</w>")]
-    for merged in ("ca", "cat</w>"):
-        vocab[merged] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=merges)
-
-
-@pytest.fixture(scope="module")
-def tiny_clip():
-    from transformers import CLIPConfig, CLIPModel
-
-    tokenizer = _tiny_tokenizer()
-    small = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2)
-    config = CLIPConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            max_position_embeddings=16,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **small,
-        ),
-        vision_config=dict(image_size=IMAGE_SIZE, patch_size=8, **small),
-        projection_dim=16,
-    )
-    torch.manual_seed(0)
-    model = CLIPModel(config).eval()
-    with torch.no_grad():
-        model.logit_scale.fill_(math.log(50.0))  # not CLIP's init (log 1/0.07), so a wrong scale shows
-    return model, tokenizer
+# a logit scale other than CLIP's init (log 1/0.07), so a wrong scale shows
+tiny_clip = tiny_clip_fixture(logit_scale=50.0)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +87,8 @@ def test_pickscore_loads_folders_and_matches_manual_computation(tiny_clip, image
 
     # The authors' inference snippet: processor -> features -> normalise -> exp(logit_scale) * dot.
     with torch.no_grad():
-        image_emb = _pooled(model.get_image_features(pixel_values=_reference_pixels(image_processor, images)))
-        text_emb = _pooled(model.get_text_features(**tokenizer(prompts, padding=True, return_tensors="pt")))
+        image_emb = pooled(model.get_image_features(pixel_values=_reference_pixels(image_processor, images)))
+        text_emb = pooled(model.get_text_features(**tokenizer(prompts, padding=True, return_tensors="pt")))
     image_emb = image_emb / image_emb.norm(dim=-1, keepdim=True)
     text_emb = text_emb / text_emb.norm(dim=-1, keepdim=True)
     expected = model.logit_scale.exp() * (image_emb * text_emb).sum(-1)
@@ -194,7 +154,7 @@ def test_aesthetic_loads_files_and_matches_manual_computation(tiny_clip, image_p
     assert scores.shape == (3,) and scores.dtype == torch.float32
 
     with torch.no_grad():  # the original: processor -> CLIPModel image features -> L2 norm -> MLP
-        embedding = _pooled(model.get_image_features(pixel_values=_reference_pixels(image_processor, images)))
+        embedding = pooled(model.get_image_features(pixel_values=_reference_pixels(image_processor, images)))
         expected = _manual_head(head, embedding / embedding.norm(dim=-1, keepdim=True))
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4)
 

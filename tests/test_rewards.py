@@ -6,8 +6,6 @@ through the real ``from_pretrained`` path with a local folder (no hub access).
 
 from __future__ import annotations
 
-import string
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,8 +14,7 @@ import reward_models
 from diffalign.errors import RewardError
 from reward_models.base import check_images, check_reward_output
 from reward_models.clip_score import CLIP_MEAN, CLIP_STD, ClipImageTransform, ClipScore
-
-IMAGE_SIZE = 32  # tiny CLIP's vision_config.image_size
+from tests.helpers.clip import CAT_MERGES, IMAGE_SIZE, pooled, tiny_clip_fixture
 
 
 def _noise(batch: int = 2, size: int = 32, seed: int = 0) -> torch.Tensor:
@@ -104,39 +101,7 @@ def test_brightness():
 # ---------------------------------------------------------------- CLIP score
 
 
-def _tiny_tokenizer():
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for char in string.ascii_lowercase:
-        vocab[char] = len(vocab)
-        vocab[char + "</w>"] = len(vocab)
-    merges = [("c", "a"), ("ca", "t</w>"), ("d", "o")]
-    for merged in ("ca", "cat</w>", "do"):
-        vocab[merged] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=merges)
-
-
-@pytest.fixture(scope="module")
-def tiny_clip():
-    from transformers import CLIPConfig, CLIPModel
-
-    tokenizer = _tiny_tokenizer()
-    small = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2)
-    config = CLIPConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            max_position_embeddings=16,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **small,
-        ),
-        vision_config=dict(image_size=IMAGE_SIZE, patch_size=8, **small),
-        projection_dim=16,
-    )
-    torch.manual_seed(0)
-    return CLIPModel(config).eval(), tokenizer
+tiny_clip = tiny_clip_fixture(merges=[*CAT_MERGES, ("d", "o")])  # "do" too
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +121,6 @@ def clip_folder(tiny_clip, tmp_path_factory):
     return folder
 
 
-def _pooled(out):
-    return out if isinstance(out, torch.Tensor) else out.pooler_output
-
-
 def test_clip_score_matches_manual_computation(tiny_clip):
     model, tokenizer = tiny_clip
     reward = ClipScore.from_components(model, tokenizer, batch_size=2)
@@ -171,8 +132,8 @@ def test_clip_score_matches_manual_computation(tiny_clip):
     pixels = reward.preprocess(images)
     tokens = tokenizer(prompts, padding=True, return_tensors="pt")
     with torch.no_grad():
-        image_emb = _pooled(model.get_image_features(pixel_values=pixels))
-        text_emb = _pooled(model.get_text_features(**tokens))
+        image_emb = pooled(model.get_image_features(pixel_values=pixels))
+        text_emb = pooled(model.get_text_features(**tokens))
     expected = 100 * F.cosine_similarity(image_emb, text_emb, dim=-1)
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4)
 

@@ -5,15 +5,11 @@ import torch
 
 from diffalign.adapters import load_adapter
 from diffalign.errors import ConfigError
+from tests.helpers.adapters import sd3  # noqa: F401 (fixture)
 from diffalign.sampling import Trajectory, build_kernel, sample_images, sample_linear, sde_window_mask
 
 PROMPTS = ["a red cat", "a blue dog"]
 PX = 32
-
-
-@pytest.fixture(scope="module")
-def sd3():
-    return load_adapter("tiny:sd3")
 
 
 @pytest.fixture(scope="module")

@@ -4,27 +4,16 @@ import json
 
 import pytest
 
-from diffalign.cli import main
 from diffalign.evaluation import format_table
+from tests.helpers.tiny_run import run_cli
 
 MAIN = "configs/shapes/flow_grpo.yaml"
-
-
-def run_cli(repo_root, *args):
-    import os
-
-    cwd = os.getcwd()
-    os.chdir(repo_root)
-    try:
-        return main(list(args))
-    finally:
-        os.chdir(cwd)
 
 
 @pytest.mark.slow
 def test_main_config_one_iteration(repo_root, tmp_path, capsys):
     out = tmp_path / "main"
-    code = run_cli(repo_root, "train", MAIN, f"output_dir={out}", "max_iterations=1", "eval.images_per_family=2",
+    code = run_cli("train", MAIN, f"output_dir={out}", "max_iterations=1", "eval.images_per_family=2",
                    "sampling.eval_num_steps=4", "log.progress_bar=false")
     assert code == 0
     printed = capsys.readouterr().out
@@ -61,7 +50,7 @@ def test_format_table_aligns_columns():
 
 
 def test_eval_command_prints_a_table_with_intervals(repo_root, capsys):
-    code = run_cli(repo_root, "eval", "--base", "tiny:shapes", "--images-per-family", "1", "--steps", "2")
+    code = run_cli("eval", "--base", "tiny:shapes", "--images-per-family", "1", "--steps", "2")
     assert code == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("held-out evaluation") and "6 images" in out[0]
@@ -74,7 +63,7 @@ def test_eval_command_prints_a_table_with_intervals(repo_root, capsys):
 def test_eval_command_precision(repo_root, capsys):
     """--mixed-precision no runs the denoiser in fp32, bf16 under autocast; both are named in the header."""
     for flag, name in (("no", "float32"), ("bf16", "bfloat16")):
-        code = run_cli(repo_root, "eval", "--base", "tiny:shapes", "--images-per-family", "1", "--steps", "2",
+        code = run_cli("eval", "--base", "tiny:shapes", "--images-per-family", "1", "--steps", "2",
                        "--mixed-precision", flag)
         assert code == 0
         header = capsys.readouterr().out.splitlines()[0]
@@ -83,7 +72,7 @@ def test_eval_command_precision(repo_root, capsys):
 
 def test_eval_command_paired_difference_against_the_base(repo_root, tmp_path, capsys):
     from diffalign.config_files import load_config
-    from diffalign.recipes import build_trainer
+    from diffalign.trainer import build_trainer
 
     run = tmp_path / "same"  # a run with no update: its difference against the base is exactly 0
     cfg = load_config(repo_root / MAIN, [f"output_dir={run}", "model.id=tiny:shapes", "max_iterations=0", "eval.at_start=false",
@@ -91,7 +80,7 @@ def test_eval_command_paired_difference_against_the_base(repo_root, tmp_path, ca
                                          "log.report=false"])
     build_trainer(cfg).train()
     capsys.readouterr()
-    code = run_cli(repo_root, "eval", str(run), "--base", "tiny:shapes", "--prompts", "probe", "--images-per-family", "2",
+    code = run_cli("eval", str(run), "--base", "tiny:shapes", "--prompts", "probe", "--images-per-family", "2",
                    "--steps", "2")
     assert code == 0
     out = capsys.readouterr().out.splitlines()
@@ -126,7 +115,7 @@ def test_eval_validation_prompts_are_the_sweeps_and_never_held_out(repo_root):
     (["--mixed-precision", "fp8"], "--mixed-precision must be auto, bf16 or no, got 'fp8'"),
 ])
 def test_eval_command_bad_input_is_one_line(repo_root, capsys, args, message):
-    assert run_cli(repo_root, "eval", "--base", "tiny:shapes", *args) == 2
+    assert run_cli("eval", "--base", "tiny:shapes", *args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 

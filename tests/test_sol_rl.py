@@ -7,9 +7,10 @@ import torch
 
 from diffalign.algorithms.sol_rl import kendall_tau, select_indices, topk_hit_rate
 from diffalign.config_files import load_config
-from diffalign.recipes import build_trainer
+from diffalign.trainer import build_trainer
 from diffalign.recipes.sol_rl import SolRLConfig, SolRLGRPOTrainer, SolRLTrainer
 from diffalign.sampling.seeded import sample_seeded, seed_noise
+from tests.helpers.adapters import sd3  # noqa: F401 (fixture)
 from tests.helpers.tiny_run import FAST, ROOT, run_cli
 
 CONFIG = "configs/tiny/sol_rl_sd3.yaml"
@@ -83,13 +84,6 @@ def test_topk_hit_rate_by_hand():
 
 
 # ---- seed-driven sampling --------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sd3():
-    from diffalign.adapters import load_adapter
-
-    return load_adapter("tiny:sd3")
 
 
 def test_a_seed_fixes_the_image(sd3):

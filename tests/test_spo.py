@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -15,21 +14,11 @@ from PIL import Image
 import reward_models
 from diffalign.algorithms.continuation import choose_continuation
 from diffalign.algorithms.spo import pair_accuracy, select_pairs, spm_pair_loss, spo_loss
-from diffalign.cli import main
 from diffalign.pairs import PairFileError, label_pairs, read_pairs, write_pairs
-from diffalign.spo.model import ClipSPM, ShapesSPM, SPMError, load_spm
+from diffalign.spm.model import ClipSPM, ShapesSPM, SPMError, load_spm
+from tests.helpers.tiny_run import FAST, run_cli
 
-QUIET = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
 TINY_SPO = "configs/tiny/spo_sd15.yaml"
-
-
-def run_cli(repo_root, *args):
-    cwd = os.getcwd()
-    os.chdir(repo_root)
-    try:
-        return main([str(a) for a in args])
-    finally:
-        os.chdir(cwd)
 
 
 # ---------------------------------------------------------------- pure functions
@@ -192,7 +181,7 @@ def _brightness(images, prompts, tau):
 
 
 def _rollout(adapter, kernel, prompts, seeds, **kwargs):
-    from diffalign.spo.sampling import sample_stepwise
+    from diffalign.spm.sampling import sample_stepwise
 
     embeds = adapter.encode_prompts(prompts, with_uncond=True)
     schedule = adapter.make_schedule(kwargs.pop("num_steps", 5), 32, 32)
@@ -302,7 +291,7 @@ def test_pair_files_round_trip_and_refuse_bad_labels_and_images(tmp_path):
 
 def test_spm_recipes_live_in_the_spo_configs(repo_root, capsys):
     from diffalign.config_files import load_config
-    from diffalign.spo.train import load_spm_config
+    from diffalign.spm.train import load_spm_config
 
     shapes = load_spm_config(str(repo_root / "configs/shapes/spo.yaml"), [])
     run = load_config(repo_root / "configs/shapes/spo.yaml")
@@ -312,18 +301,18 @@ def test_spm_recipes_live_in_the_spo_configs(repo_root, capsys):
         cfg = load_spm_config(str(repo_root / f"configs/{name}/spo.yaml"), [])
         assert cfg.spm.backbone == "yuvalkirstain/PickScore_v1" and cfg.output_dir == f"runs/spm_{name}"
         assert cfg.train.weight_decay == 0.3 and cfg.pairs.file == "data/pickapic/train/pairs.jsonl"
-    assert run_cli(repo_root, "train-spm", "configs/shapes/flow_grpo.yaml") == 2
+    assert run_cli("train-spm", "configs/shapes/flow_grpo.yaml") == 2
     assert "run config of algorithm 'flow_grpo'" in capsys.readouterr().err
-    assert run_cli(repo_root, "train", TINY_SPO, "algorithm.spm_train.train.lr=0", *QUIET) == 2
+    assert run_cli("train", TINY_SPO, "algorithm.spm_train.train.lr=0", *FAST) == 2
     assert "config key 'algorithm.spm_train.train.lr' must be > 0" in capsys.readouterr().err
-    assert run_cli(repo_root, "train", TINY_SPO, "algorithm.spm_train.bogus=1", *QUIET) == 2
+    assert run_cli("train", TINY_SPO, "algorithm.spm_train.bogus=1", *FAST) == 2
     assert "unknown config key 'algorithm.spm_train.bogus'" in capsys.readouterr().err
 
 
 def test_train_spm_cli_writes_model_and_accuracy_curve(repo_root, tmp_path, capsys):
     pairs = _write_pair_file(tmp_path / "pairs", n=8)
     out = tmp_path / "spm"
-    code = run_cli(repo_root, "train-spm", "configs/shapes/spo.yaml", f"output_dir={out}", "model.id=tiny:sd15", "model.resolution=32",
+    code = run_cli("train-spm", "configs/shapes/spo.yaml", f"output_dir={out}", "model.id=tiny:sd15", "model.resolution=32",
                    f"pairs.file={pairs}", "pairs.heldout_fraction=0.25", "spm.backbone=tiny:shapes", "train.steps=4", "train.batch_size=4",
                    "train.x0_views_per_pair=1", "eval.every=2", "eval.taus=[0.5]", "eval.curve_points=2", "train.lr=1e-2")
     assert code == 0, capsys.readouterr().err
@@ -338,7 +327,7 @@ def test_train_spm_cli_writes_model_and_accuracy_curve(repo_root, tmp_path, caps
     capsys.readouterr()
     # bad input: one line, exit 2, nothing written
     bad = _write_pair_file(tmp_path / "badpairs", n=2, label=2)
-    code = run_cli(repo_root, "train-spm", f"output_dir={tmp_path / 'spm2'}", "model.id=tiny:sd15", f"pairs.file={bad}")
+    code = run_cli("train-spm", f"output_dir={tmp_path / 'spm2'}", "model.id=tiny:sd15", f"pairs.file={bad}")
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "label_0 must be 0, 0.5 or 1" in err[0]
     assert not (tmp_path / "spm2").exists()
@@ -349,8 +338,8 @@ def test_train_spm_cli_writes_model_and_accuracy_curve(repo_root, tmp_path, caps
 
 def test_spo_trains_on_tiny_sd15(repo_root, tmp_path):
     out = tmp_path / "run"
-    code = run_cli(repo_root, "train", TINY_SPO, f"output_dir={out}", "max_iterations=2", "sampling.num_steps=4",
-                   "algorithm.num_candidates=3", *QUIET)
+    code = run_cli("train", TINY_SPO, f"output_dir={out}", "max_iterations=2", "sampling.num_steps=4",
+                   "algorithm.num_candidates=3", *FAST)
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if not r.get("eval")]
@@ -375,7 +364,7 @@ def test_spo_trains_on_tiny_sd15(repo_root, tmp_path):
 ])
 def test_spo_bad_input_is_one_line_and_exit_2(repo_root, tmp_path, capsys, override, needle):
     out = tmp_path / "run"
-    code = run_cli(repo_root, "train", TINY_SPO, f"output_dir={out}", override, *QUIET)
+    code = run_cli("train", TINY_SPO, f"output_dir={out}", override, *FAST)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err

@@ -1,41 +1,23 @@
 """Stepwise-Flow-GRPO: gains and advantages on hand-computed numbers, the Tweedie refinement, the
 dense rollout (parity with sample_linear), batched reward calls, on-policy ratio 1, bad input."""
 
-import json
 import math
-import os
 
 import pytest
 import torch
 
 from diffalign.adapters import load_adapter
-from diffalign.algorithms.stepwise import stepwise_advantages, stepwise_gains
-from diffalign.cli import main
+from diffalign.algorithms.stepwise_flow_grpo import stepwise_advantages, stepwise_gains
 from diffalign.config_files import load_config
 from diffalign.errors import ConfigError
 from diffalign.recipes.stepwise_flow_grpo import StepwiseFlowGRPOTrainer, trainable_steps
 from diffalign.sampling import build_kernel, sample_linear
 from diffalign.training.checks import SelfCheckError
 from diffalign.sampling.dense import refine_x0, sample_linear_dense
+from tests.helpers.adapters import sd3  # noqa: F401 (fixture)
+from tests.helpers.tiny_run import FAST_ONE_PROMPT, run_cli, train_records
 
 TINY = "configs/tiny/stepwise_flow_grpo_sd3.yaml"
-FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2",
-        "eval.samples_per_prompt=1", "eval.num_prompts=1"]
-
-
-def run_cli(repo_root, *args):
-    cwd = os.getcwd()
-    os.chdir(repo_root)
-    try:
-        return main(list(args))
-    finally:
-        os.chdir(cwd)
-
-
-def train_records(out):
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
-
-
 # ---- pure functions -------------------------------------------------------------------------
 def test_gains_are_reward_differences():
     r = torch.tensor([[0.0, 1.0, 4.0], [2.0, 2.0, 1.0]])
@@ -114,11 +96,6 @@ def test_refine_x0_substeps_by_hand():
         refine_x0(model, x, t, v, None, guidance_scale=1.0, substeps=9)
 
 
-@pytest.fixture(scope="module")
-def sd3():
-    return load_adapter("tiny:sd3")
-
-
 def test_dense_rollout_matches_sample_linear(sd3):
     kernel = build_kernel(sd3, "cps", 0.8)
     embeds = sd3.encode_prompts(["a cat", "a dog"], with_uncond=True)
@@ -156,7 +133,7 @@ def test_trainable_steps_of_the_std_schedules(sd3):
 def test_one_reward_call_per_chunk_and_ratio_one(repo_root, tmp_path):
     cfg = load_config(repo_root / TINY, [f"output_dir={tmp_path / 'r'}", "max_iterations=1", "rollout.prompts_per_iteration=2",
                                          "rollout.group_size=2", "rollout.sample_batch_size=2", "sampling.num_steps=3",
-                                         "algorithm.tweedie_substeps=2", "eval.num_prompts=1", *FAST])
+                                         "algorithm.tweedie_substeps=2", "eval.num_prompts=1", *FAST_ONE_PROMPT])
     calls = []
 
     class Counting(StepwiseFlowGRPOTrainer):
@@ -174,8 +151,8 @@ def test_one_reward_call_per_chunk_and_ratio_one(repo_root, tmp_path):
 
 def test_cli_per_step_and_stepwise_schedule(repo_root, tmp_path):
     out = tmp_path / "r"
-    code = run_cli(repo_root, "train", TINY, f"output_dir={out}", "max_iterations=1", "sampling.num_steps=4",
-                   "sampling.std_schedule=stepwise", "algorithm.advantage_norm=per_step", "algorithm.tweedie_substeps=0", *FAST)
+    code = run_cli("train", TINY, f"output_dir={out}", "max_iterations=1", "sampling.num_steps=4",
+                   "sampling.std_schedule=stepwise", "algorithm.advantage_norm=per_step", "algorithm.tweedie_substeps=0", *FAST_ONE_PROMPT)
     assert code == 0
     rec = train_records(out)[0]
     assert rec["trained_steps_per_sample"] == 2  # first (from sigma 1) and last (to 0) steps are deterministic
@@ -184,15 +161,15 @@ def test_cli_per_step_and_stepwise_schedule(repo_root, tmp_path):
 
 def test_shapes_config_runs_on_the_tiny_shapes_model(repo_root, tmp_path):
     out = tmp_path / "r"
-    code = run_cli(repo_root, "train", "configs/shapes/stepwise_flow_grpo.yaml", f"output_dir={out}", "model.id=tiny:shapes",
+    code = run_cli("train", "configs/shapes/stepwise_flow_grpo.yaml", f"output_dir={out}", "model.id=tiny:shapes",
                    "max_iterations=1", "rollout.prompts_per_iteration=1", "rollout.group_size=2", "sampling.num_steps=2",
-                   "algorithm.tweedie_substeps=2", "lora.rank=4", *FAST)
+                   "algorithm.tweedie_substeps=2", "lora.rank=4", *FAST_ONE_PROMPT)
     assert code == 0 and len(train_records(out)) == 1
 
 
 def test_self_check_catches_an_off_policy_update(repo_root, tmp_path):
     cfg = load_config(repo_root / TINY, [f"output_dir={tmp_path / 'r'}", "max_iterations=1", "sampling.num_steps=2",
-                                         "rollout.prompts_per_iteration=1", *FAST])
+                                         "rollout.prompts_per_iteration=1", *FAST_ONE_PROMPT])
 
     class Broken(StepwiseFlowGRPOTrainer):
         def update_transitions(self, *args, **kwargs):
@@ -211,7 +188,7 @@ def test_self_check_catches_an_off_policy_update(repo_root, tmp_path):
 ])
 def test_bad_input_is_one_line_and_exit_2(repo_root, tmp_path, capsys, args, needle):
     out = tmp_path / "r"
-    assert run_cli(repo_root, "train", TINY, f"output_dir={out}", *args, *FAST) == 2
+    assert run_cli("train", TINY, f"output_dir={out}", *args, *FAST_ONE_PROMPT) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and needle in err[0], err
     assert not out.exists()  # nothing on disk was touched

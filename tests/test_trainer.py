@@ -7,30 +7,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffalign.cli import main
 from diffalign.config_files import load_config
-from diffalign.recipes import build_trainer
+from diffalign.trainer import build_trainer
 from diffalign.recipes.flow_grpo import FlowGRPOTrainer
 from diffalign.training.checks import SelfCheckError
+from tests.helpers.tiny_run import FAST, run_cli
 
 SD3 = "configs/tiny/flow_grpo_sd3.yaml"
-FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
-
-
-def run_cli(repo_root, *args):
-    import os
-
-    cwd = os.getcwd()
-    os.chdir(repo_root)
-    try:
-        return main(list(args))
-    finally:
-        os.chdir(cwd)
-
-
 def test_train_writes_run_directory(repo_root, tmp_path):
     out = tmp_path / "run"
-    code = run_cli(repo_root, "train", SD3, f"output_dir={out}", "max_iterations=2", "log.report=true", "log.progress_bar=false")
+    code = run_cli("train", SD3, f"output_dir={out}", "max_iterations=2", "log.report=true", "log.progress_bar=false")
     assert code == 0
     assert (out / "config.yaml").is_file()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -56,10 +42,10 @@ def final_lora(out: Path) -> dict:
 def test_resume_matches_uninterrupted_run(repo_root, tmp_path):
     common = ["max_iterations=4", "checkpoint.every=2", "train.ema.every=1", *FAST]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert run_cli(repo_root, "train", SD3, f"output_dir={full}", *common) == 0
+    assert run_cli("train", SD3, f"output_dir={full}", *common) == 0
     # interrupted after 2 iterations (a run that stopped there), then resumed to 4
-    assert run_cli(repo_root, "train", SD3, f"output_dir={part}", *common, "max_iterations=2") == 0
-    assert run_cli(repo_root, "resume", str(part), "max_iterations=4") == 0
+    assert run_cli("train", SD3, f"output_dir={part}", *common, "max_iterations=2") == 0
+    assert run_cli("resume", str(part), "max_iterations=4") == 0
     a, b = final_lora(full), final_lora(part)
     assert a.keys() == b.keys()
     for k in a:
@@ -75,7 +61,7 @@ def test_existing_run_dir_is_refused_and_untouched(repo_root, tmp_path, capsys):
     out.mkdir()
     (out / "config.yaml").write_text("precious: 1\n")
     (out / "metrics.jsonl").write_text('{"iteration": 0}\n')
-    code = run_cli(repo_root, "train", SD3, f"output_dir={out}", *FAST)
+    code = run_cli("train", SD3, f"output_dir={out}", *FAST)
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: output_dir") and "--resume" in err[-1]
@@ -97,7 +83,7 @@ def test_existing_run_dir_is_refused_and_untouched(repo_root, tmp_path, capsys):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(repo_root, tmp_path, capsys, args, needle):
-    code = run_cli(repo_root, "train", *args, f"output_dir={tmp_path / 'r'}", *FAST)
+    code = run_cli("train", *args, f"output_dir={tmp_path / 'r'}", *FAST)
     assert code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and needle in err[0], err
@@ -105,7 +91,7 @@ def test_bad_input_is_one_line_and_exit_2(repo_root, tmp_path, capsys, args, nee
 
 def test_nan_rewards_can_be_skipped_and_counted(repo_root, tmp_path):
     out = tmp_path / "r"
-    code = run_cli(repo_root, "train", SD3, f"output_dir={out}", "reward.name=tests.helpers.rewards:nan_reward",
+    code = run_cli("train", SD3, f"output_dir={out}", "reward.name=tests.helpers.rewards:nan_reward",
                    "reward.nonfinite=skip", "max_iterations=2", *FAST)
     assert code == 0
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
@@ -125,10 +111,10 @@ def test_self_check_catches_an_off_policy_forward(repo_root, tmp_path, monkeypat
         Broken(cfg).train()
 
 
-@pytest.mark.parametrize("config", ["configs/tiny/flow_grpo_flux.yaml", "configs/tiny/ddpo_sd15.yaml"])
+@pytest.mark.parametrize("config", ["configs/tiny/flow_grpo_flux.yaml", "configs/tiny/flow_grpo_ddim_sd15.yaml"])
 def test_other_tiny_configs_train(repo_root, tmp_path, config):
     out = tmp_path / "r"
-    assert run_cli(repo_root, "train", config, f"output_dir={out}", "max_iterations=2", *FAST, "model.resolution=32") == 0
+    assert run_cli("train", config, f"output_dir={out}", "max_iterations=2", *FAST, "model.resolution=32") == 0
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
@@ -193,7 +179,7 @@ def test_flow_grpo_raises_compressibility_on_tiny_sd3(repo_root, tmp_path):
     eval_gains, train_gains = [], []
     for seed in SEEDS:
         out = tmp_path / f"r{seed}"
-        code = run_cli(repo_root, "train", SD3, f"output_dir={out}", f"seed={seed}", "max_iterations=10",
+        code = run_cli("train", SD3, f"output_dir={out}", f"seed={seed}", "max_iterations=10",
                        "lora.enabled=false", "optim.lr=1e-2", "train.optimizer_steps_per_iteration=4",
                        "rollout.group_size=8", "rollout.prompts_per_iteration=2", "algorithm.clip_range=0.2", "algorithm.beta=0",
                        "train.ema.enabled=false", "sampling.eval_num_steps=6", "eval.samples_per_prompt=8",
@@ -272,14 +258,14 @@ def test_lr_schedule_is_applied_and_survives_resume(repo_root, tmp_path):
     common = ["max_iterations=4", "checkpoint.every=2", "optim.lr=1e-3", "optim.lr_schedule=linear",
               "optim.min_lr_fraction=0.25", *FAST]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert run_cli(repo_root, "train", SD3, f"output_dir={full}", *common) == 0
+    assert run_cli("train", SD3, f"output_dir={full}", *common) == 0
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(repo_root),
                **{faults.ENV: "sigint-after-write=4"})  # 1 config, 2 prompts, 3-4 the first two metrics lines
     stopped = subprocess.run([sys.executable, "-m", "diffalign.cli", "train", SD3, f"output_dir={part}", *common],
                              cwd=repo_root, env=env, capture_output=True, timeout=300)
     assert stopped.returncode != 0
     assert len([r for r in (part / "metrics.jsonl").read_text().splitlines() if r.strip()]) == 2
-    assert run_cli(repo_root, "resume", str(part)) == 0
+    assert run_cli("resume", str(part)) == 0
     for out in (full, part):
         train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
         assert [r["lr"] for r in train] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
@@ -291,5 +277,5 @@ def test_lr_schedule_is_applied_and_survives_resume(repo_root, tmp_path):
 def test_lr_schedule_bad_values_name_the_key(repo_root, tmp_path, capsys):
     for arg, key in (("optim.lr_schedule=step", "optim.lr_schedule"), ("optim.min_lr_fraction=2", "optim.min_lr_fraction"),
                      ("optim.warmup_iterations=-1", "optim.warmup_iterations")):
-        assert run_cli(repo_root, "train", SD3, arg, f"output_dir={tmp_path / 'r'}", *FAST) == 2
+        assert run_cli("train", SD3, arg, f"output_dir={tmp_path / 'r'}", *FAST) == 2
         assert key in capsys.readouterr().err.strip().splitlines()[-1]

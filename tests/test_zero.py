@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from diffalign.cli import main as cli_main
-from tests.helpers.compare import COMPARABLE, assert_same_update, weights
+from tests.helpers.compare import COMPARABLE, REL, assert_same_update, weights
 from tests.helpers.launch import launch as run, start_run
+from tests.helpers.tiny_run import train_records
 
 try:
     import deepspeed  # noqa: F401
@@ -20,14 +21,9 @@ needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is an 
 
 COMMON = ["configs/tiny/flow_grpo_sd3.yaml", "log.progress_bar=false", "log.report=false", "eval.at_start=false",
           "sampling.eval_num_steps=2", "train.ema.enabled=false", "optim.lr=1e-2", "train.batch_size=64"]
-REL = 1e-3  # largest weight difference from one process allowed, in units of the update (tests/helpers/compare.py)
 
 # SGD with momentum: a state to partition and resume; Flow-GRPO's gradients are ~1e-4, lr 50 moves the weights by ~2e-2
 TRAIN = ["-m", "diffalign.cli", "train", *COMMON, *COMPARABLE, "optim.lr=50"]
-
-
-def records(out):
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +43,7 @@ def test_zero2_two_processes_match_one_and_resume_exactly(repo_root, tmp_path, o
     run([*TRAIN, f"output_dir={two}", "max_iterations=3", *zero], repo_root, nproc=2)
     b = weights(two)
     assert_same_update(weights(start), weights(one), b, rel=REL, min_update=1e-3)
-    assert [r["reward_mean"] for r in records(two)] == pytest.approx([r["reward_mean"] for r in records(one)], rel=1e-3)
+    assert [r["reward_mean"] for r in train_records(two)] == pytest.approx([r["reward_mean"] for r in train_records(one)], rel=1e-3)
     # the checkpoint holds every process's optimizer partition; an interrupted ZeRO run resumes exactly
     from diffalign import runs
 
@@ -58,7 +54,7 @@ def test_zero2_two_processes_match_one_and_resume_exactly(repo_root, tmp_path, o
     c = weights(part)
     for k in b:
         torch.testing.assert_close(b[k], c[k], rtol=1e-6, atol=1e-7)
-    assert [r["reward_mean"] for r in records(two)] == [r["reward_mean"] for r in records(part)]
+    assert [r["reward_mean"] for r in train_records(two)] == [r["reward_mean"] for r in train_records(part)]
 
 
 @needs_deepspeed
@@ -72,7 +68,7 @@ def test_zero1_two_processes_match_one(repo_root, tmp_path, one_process):
               repo_root, nproc=2)
     assert "DeepSpeed ZeRO-1 over 2 processes" in res.stderr
     assert_same_update(weights(start), weights(one), weights(two), rel=REL, min_update=1e-3)
-    assert [r["reward_mean"] for r in records(two)] == pytest.approx([r["reward_mean"] for r in records(one)], rel=1e-3)
+    assert [r["reward_mean"] for r in train_records(two)] == pytest.approx([r["reward_mean"] for r in train_records(one)], rel=1e-3)
     state = runs.load_checkpoint(runs.latest_checkpoint(two))
     assert state["optimizer"]["zero_stage"] == 1 and len(state["optimizer"]["partitions"]) == 2
 
@@ -95,7 +91,7 @@ def test_deepspeed_config_follows_the_run_config():
     from diffalign.distributed import deepspeed_config
 
     cfg = load_config("configs/tiny/flow_grpo_sd3.yaml", ["train.zero_stage=2", "train.batch_size=6", "optim.grad_clip=0.5"])
-    ds = deepspeed_config(cfg, 2, world=4)
+    ds = deepspeed_config(2, world=4, batch_size=cfg.train.batch_size, grad_clip=cfg.optim.grad_clip)
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["train_micro_batch_size_per_gpu"] == 6 and ds["train_batch_size"] == 24
     assert ds["gradient_clipping"] == 0.5 and not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
@@ -141,18 +137,18 @@ def test_zero_stage_from_the_accelerate_config(monkeypatch):
     shipped = yaml.safe_load(open("configs/accelerate/deepspeed_zero2.yaml"))
     assert shipped["distributed_type"] == "DEEPSPEED" and shipped["deepspeed_config"]["zero_stage"] == 2
     cfg = load_config("configs/tiny/flow_grpo_sd3.yaml", [])
-    assert zero_stage(cfg, _Accel(None, 2)) == 0
-    assert zero_stage(load_config("configs/tiny/flow_grpo_sd3.yaml", ["train.zero_stage=2"]), _Accel(None, 1)) == 0  # one process
+    assert zero_stage(cfg.train.zero_stage, _Accel(None, 2)) == 0
+    assert zero_stage(2, _Accel(None, 1)) == 0  # one process
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    assert zero_stage(cfg, _Accel(_Plugin(2))) == 2
+    assert zero_stage(cfg.train.zero_stage, _Accel(_Plugin(2))) == 2
     with pytest.raises(ConfigError, match="zero_stage 3"):
-        zero_stage(cfg, _Accel(_Plugin(3)))
+        zero_stage(cfg.train.zero_stage, _Accel(_Plugin(3)))
     with pytest.raises(ConfigError, match="offload"):
-        zero_stage(cfg, _Accel(_Plugin(2, offload="cpu")))
+        zero_stage(cfg.train.zero_stage, _Accel(_Plugin(2, offload="cpu")))
     with pytest.raises(ConfigError, match="disagrees"):
-        zero_stage(load_config("configs/tiny/flow_grpo_sd3.yaml", ["train.zero_stage=1"]), _Accel(_Plugin(2)))
+        zero_stage(1, _Accel(_Plugin(2)))
     with pytest.raises(ConfigError, match="needs CUDA GPUs"):  # accelerate's DeepSpeed launcher on a CPU machine
-        zero_stage(cfg, _Accel(None, 2))
+        zero_stage(cfg.train.zero_stage, _Accel(None, 2))
 
 
 def test_8bit_adam_needs_bitsandbytes(tmp_path, capsys):

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from diffalign.config_files import load_config
-from diffalign.recipes import build_trainer
+from diffalign.trainer import build_trainer
 
 
 def main(out: str, run_dir: str) -> None:

@@ -33,7 +33,7 @@ FAMILIES: dict[str, str] = {
     "sd15": "diffalign.adapters.sd15:SD15Adapter",
     "sdxl": "diffalign.adapters.sdxl:SDXLAdapter",
     "sana": "diffalign.adapters.sana:SanaAdapter",
-    "qwen": "diffalign.adapters.qwenimage:QwenImageAdapter",
+    "qwen": "diffalign.adapters.qwen:QwenImageAdapter",
     "flux2": "diffalign.adapters.flux2:Flux2Adapter",
     "wan": "diffalign.adapters.wan:WanAdapter",
     "shapes": "diffalign.adapters.shapes:ShapesAdapter",

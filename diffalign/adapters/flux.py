@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_t5_config, tiny_t5_tokenizer, tiny_vae
 from ._util import module_dtype, pipeline_sigmas, rotary_cache, scheduler_sigmas, shift_mu
 from .base import ModelAdapter, PromptEmbeds
 from .sd3 import FLOW_GRPO_LORA_TARGETS
@@ -106,7 +107,6 @@ class FluxAdapter(PackedFlowAdapter):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
         from transformers import CLIPTextModel, T5EncoderModel
 
-        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_t5_config, tiny_t5_tokenizer, tiny_vae
 
         torch.manual_seed(seed)
         text_len, clip_width, t5_width, latent_channels = 16, 16, 32, 4

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from ._tiny import tiny_decoder_config, tiny_qwen2_tokenizer
 from ._util import module_dtype, pipeline_sigmas, scheduler_sigmas, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 from .sd3 import FLOW_GRPO_LORA_TARGETS
@@ -87,7 +88,6 @@ class Flux2Adapter(ModelAdapter):
         from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        from ._tiny import tiny_decoder_config, tiny_qwen2_tokenizer
 
         kwargs.setdefault("max_sequence_length", 16)
         kwargs.setdefault("text_encoder_out_layers", (1, 2, 3))

@@ -30,6 +30,7 @@ from typing import Sequence, Union
 import torch
 
 from ..errors import ModelLoadError
+from ._tiny import TINY_WORDS, tiny_decoder_config
 from ._util import gives_integer_timesteps, is_flow_scheduler, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 
@@ -105,7 +106,6 @@ class SanaAdapter(ModelAdapter):
         from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
         from transformers import Gemma2Config, Gemma2Model
 
-        from ._tiny import tiny_decoder_config
 
         kwargs.setdefault("max_sequence_length", 16)
         kwargs.setdefault("complex_human_instruction", False)
@@ -198,7 +198,6 @@ def tiny_gemma_tokenizer():
     ``▁`` space marker). Adds ``<bos>`` like Gemma."""
     from transformers import GemmaTokenizer
 
-    from ._tiny import TINY_WORDS
 
     vocab: dict[str, int] = {}
 

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from ._ddim import FINAL_T, UNetDDIMMixin
+from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_unet, tiny_vae
 from ._util import batch_t, module_dtype
 from .base import ModelAdapter, PromptEmbeds
 
@@ -49,7 +50,6 @@ class SD15Adapter(UNetDDIMMixin, ModelAdapter):
         from diffusers import PNDMScheduler, StableDiffusionPipeline
         from transformers import CLIPTextModel
 
-        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_unet, tiny_vae
 
         torch.manual_seed(seed)
         tokenizer = tiny_clip_tokenizer(16)

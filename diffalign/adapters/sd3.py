@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_t5_config, tiny_t5_tokenizer, tiny_tiny_autoencoder
 from ._util import module_dtype, scheduler_sigmas, shift_mu
 from .base import ModelAdapter, PromptEmbeds
 
@@ -65,7 +66,6 @@ class SD3Adapter(ModelAdapter):
         from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
         from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_t5_config, tiny_t5_tokenizer, tiny_tiny_autoencoder
 
         torch.manual_seed(seed)
         text_len = 16

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._ddim import UNetDDIMMixin
+from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_unet, tiny_vae
 from ._util import batch_t, module_dtype, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 from .sd15 import SD15_LORA_TARGETS
@@ -83,7 +84,6 @@ class SDXLAdapter(UNetDDIMMixin, ModelAdapter):
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-        from ._tiny import tiny_clip_text_config, tiny_clip_tokenizer, tiny_unet, tiny_vae
 
         torch.manual_seed(seed)
         text_len, clip_width, time_embed_dim = 16, 16, 8

@@ -22,8 +22,9 @@ from typing import ClassVar, Sequence
 import torch
 
 from diffalign.errors import ModelLoadError
-
-from ._util import module_dtype
+from diffalign.shapes.model import TINY_CONFIG, build_pipeline
+from diffalign.shapes.pipeline import SHIPPED_MODEL_DIR, ShapesPipeline
+from ._util import module_dtype, pipeline_kwargs
 from .base import ModelAdapter, PromptEmbeds
 
 
@@ -41,16 +42,11 @@ class ShapesAdapter(ModelAdapter):
     @classmethod
     def default_model_path(cls) -> str:
         """The pretrained model shipped inside the package."""
-        from diffalign.shapes.pipeline import SHIPPED_MODEL_DIR
-
         return SHIPPED_MODEL_DIR
 
     @classmethod
     def from_pretrained(cls, model_id: str | None = None, *, device="cpu", dtype=torch.float32, **kwargs) -> "ShapesAdapter":
         """Load a saved :class:`ShapesPipeline` folder (default: the shipped model)."""
-        from diffalign.shapes.pipeline import ShapesPipeline
-
-        from ._util import pipeline_kwargs
 
         model_id = str(model_id or cls.default_model_path())
         try:
@@ -63,8 +59,6 @@ class ShapesAdapter(ModelAdapter):
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, words: Sequence[str] | None = None) -> "ShapesAdapter":
         """Random init, same architecture with narrower channels (see ``TINY_CONFIG``)."""
-        from diffalign.shapes.model import TINY_CONFIG, build_pipeline
-
         pipe = build_pipeline(words, TINY_CONFIG, seed=seed)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device=device, dtype=dtype)

@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ModelLoadError
+from ._tiny import QWEN_LATENTS_MEAN, QWEN_LATENTS_STD, tiny_t5_config, tiny_t5_tokenizer
 from ._util import denormalize_latents, gives_integer_timesteps, is_flow_scheduler, module_dtype, to_unit_range
 from .base import ModelAdapter, PromptEmbeds
 
@@ -92,7 +93,6 @@ class WanAdapter(ModelAdapter):
         from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
         from transformers import UMT5Config, UMT5EncoderModel
 
-        from ._tiny import QWEN_LATENTS_MEAN, QWEN_LATENTS_STD, tiny_t5_config, tiny_t5_tokenizer
 
         kwargs.setdefault("max_sequence_length", 16)
         kwargs.setdefault("num_frames", 5)

@@ -30,32 +30,7 @@ normalised to mean 1 over the steps that can be trained, so the loss scale is un
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
-
-NORM_MODES = ("auto", "analytic", "batch")
-
-
-@dataclass
-class GuardOptions:
-    """Config keys shared by the Flow-GRPO family (mixed into their ``algorithm`` configs)."""
-
-    guard_ratio_norm: bool = False  # GRPO-Guard ratio normalisation per denoising step
-    guard_norm_mode: Literal["auto", "analytic", "batch"] = "auto"  # analytic: exact (needs the rollout's step noise); batch: micro-batch mean per step; auto: analytic where available
-    guard_step_reweight: bool = False  # per-step policy-gradient weights ~ 1/|dt|, mean 1 over the trainable steps
-    guard_diagnostics: bool = False  # log guard/ratio_{mean,std}/step_NN and guard/norm_ratio_{mean,std}/step_NN
-
-    @property
-    def guard_active(self) -> bool:
-        return self.guard_ratio_norm or self.guard_step_reweight or self.guard_diagnostics
-
-    def validate_guard(self, prefix: str = "algorithm") -> None:
-        from diffalign.config import check
-
-        check(self.guard_norm_mode in NORM_MODES, f"{prefix}.guard_norm_mode", f"must be one of {', '.join(NORM_MODES)}")
-
 
 def _per_sample(std: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
     """Transition std as (B,) fp32 (accepts a scalar, (B,) or (B, 1, ..., 1))."""
@@ -145,5 +120,5 @@ class RatioStats:
         return out
 
 
-__all__ = ["GuardOptions", "NORM_MODES", "reduce_sq_diff", "analytic_norm_log_ratio", "batch_norm_log_ratio",
+__all__ = ["reduce_sq_diff", "analytic_norm_log_ratio", "batch_norm_log_ratio",
            "inverse_dt_weights", "RatioStats"]

@@ -21,8 +21,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+import reward_models
+from diffalign.adapters import load_adapter
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
+from diffalign.drm.model import check_compatible
 from diffalign.errors import ConfigError, DiffalignError
+from diffalign.export import load_trained_adapter
+from diffalign.images import image_grid, save_png
 from diffalign.sampling import Kernel, build_kernel, draw_noise
 from diffalign.shapes.world import PromptError, parse_prompt
 
@@ -127,9 +132,6 @@ def stepwise_sample(
 # ---- the `diffalign sample` command ----------------------------------------------------------
 def load_model(model: str, device: str = "cpu") -> ModelAdapter:
     """A run directory (its final/ weights) or any model id ``load_adapter`` takes."""
-    from diffalign.adapters import load_adapter
-    from diffalign.export import load_trained_adapter
-
     path = Path(model)
     if path.is_dir() and ((path / "final").is_dir() or (path / "diffalign.json").is_file()):
         return load_trained_adapter(path, device=device)
@@ -191,9 +193,6 @@ def run_sample(
     """Plain sampling (``branches == 1``: deterministic ODE) or step-wise sampling (``branches`` k >= 2
     SDE candidates per step, the best under the DRM at ``drm_path`` kept). Writes ``grid.png`` and ``samples.json``
     (prompt, seed, score per image) to ``out_dir``; returns the summary."""
-    import reward_models
-    from diffalign.images import image_grid, save_png
-
     check_branches(branches, key="--branches")
     if branches > 1 and not drm_path:
         raise ConfigError("--branches > 1 (step-wise sampling) needs --drm DIR (a DRM trained with diffalign train-reward)")
@@ -208,8 +207,6 @@ def run_sample(
     res = resolution or adapter.default_resolution
     scorer_fn = None
     if drm is not None:
-        from diffalign.drm.model import check_compatible
-
         check_compatible(drm, adapter, key="--drm")
         scorer_fn = drm.score_latents
     stepwise = branches >= 2

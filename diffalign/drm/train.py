@@ -29,14 +29,18 @@ from typing import Callable, Literal, Optional
 
 import torch
 
-from diffalign import runs
-from diffalign.algorithms.step_grpo import bradley_terry_loss, pairwise_accuracy
+import reward_models
+from diffalign import progress, runs
+from diffalign.adapters import load_adapter
+from diffalign.algorithms.drm_step_grpo import bradley_terry_loss, pairwise_accuracy
 from diffalign.config import LogConfig, PromptsConfig, check
-from diffalign.config_files import apply_overrides, dump_config, from_dict, read_yaml
+from diffalign.config_files import apply_overrides, dump_config, from_dict, load_config, read_yaml, to_dict
 from diffalign.drm.model import DiffusionRewardModel
 from diffalign.errors import ConfigError, DiffalignError
 from diffalign.forward_process import add_noise, model_time
 from diffalign.pairs import LatentPairs, generate_latent_pairs, load_latent_pairs
+from diffalign.prompts import resolve_prompts
+from diffalign.recipes.drm_step_grpo import DRMStepGRPOConfig
 
 
 # ---- config -----------------------------------------------------------------------------------
@@ -141,10 +145,8 @@ def load_drm_config(path: str | None, overrides=()) -> DRMRunConfig:
     (``key=value``) always address the DRM config."""
     data = read_yaml(path) if path is not None else {}
     if "algorithm" in data:
-        from diffalign.config_files import load_config, to_dict
-
         run = load_config(path)
-        if not hasattr(run.algorithm, "drm_train"):
+        if not isinstance(run.algorithm, DRMStepGRPOConfig):
             raise ConfigError(f"config key 'algorithm.name': {run.algorithm.name!r} has no drm_train section; "
                               "use a drm_step_grpo config or a plain DRM config")
         defaults = {
@@ -231,9 +233,6 @@ def build_pairs(cfg: DRMRunConfig, drm: DiffusionRewardModel, log: Callable[[str
         if p.eval_file:
             return pairs, load_latent_pairs(p.eval_file, drm.adapter, drm.resolution, drop_ties=p.drop_ties)
         return pairs.split(p.eval_fraction, torch.Generator().manual_seed(cfg.seed))
-    import reward_models
-    from diffalign.adapters import load_adapter
-    from diffalign.prompts import resolve_prompts
 
     train_prompts, eval_prompts = resolve_prompts(cfg)
     train_prompts = train_prompts[: p.num_train_prompts] if p.num_train_prompts else train_prompts
@@ -254,8 +253,6 @@ def build_pairs(cfg: DRMRunConfig, drm: DiffusionRewardModel, log: Callable[[str
 
 def train_drm(cfg: DRMRunConfig, *, overwrite: bool = False, log: Optional[Callable[[str], None]] = None) -> dict:
     """Train and save a DRM (see the module docstring). Returns the summary written to drm.json."""
-    from diffalign import progress
-
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(cfg.output_dir)
     runs.check_run_dir(out, resume=False, overwrite=overwrite)

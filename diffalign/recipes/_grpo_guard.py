@@ -82,7 +82,7 @@ class StepGuard:
 
 def make_guard(trainer, opts, timesteps: torch.Tensor, candidates: torch.Tensor, **kwargs) -> Optional[StepGuard]:
     """A :class:`StepGuard` when any ``guard_*`` switch of ``opts`` is on, else None."""
-    if not getattr(opts, "guard_active", False):
+    if not opts.guard_active:
         return None
     return StepGuard(trainer, opts, timesteps, candidates, **kwargs)
 

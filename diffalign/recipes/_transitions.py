@@ -81,7 +81,7 @@ class TransitionTrainer(Trainer):
         state_keep = tr.keep.any(dim=1)
         schedule = self.adapter.make_schedule(cfg.sampling.num_steps, self.resolution, self.resolution)
         guard = make_guard(self, algo, schedule, torch.unique(steps_of(schedule, tr.t)),
-                           reduction=getattr(algo, "logprob_reduction", "mean"))  # GRPO-Guard (None when off)
+                           reduction=algo.logprob_reduction)  # GRPO-Guard (None when off)
         self.adapter.denoiser.train()
         for _epoch in range(cfg.train.inner_epochs):
             perm = torch.randperm(tr.num_global, generator=self.generator)  # same on every process

@@ -23,21 +23,21 @@ import torch
 
 from diffalign.algorithms.awm import WEIGHTINGS, awm_loss, stratified_levels
 from diffalign.algorithms.diffusion_nft import ema_update_, old_policy_decay
-from diffalign.config import AlgorithmConfig, check, check_ranges, register_algorithm_config
+from diffalign.config import AlgorithmConfig, GroupAdvantageOptions, check, check_ranges, method_defaults
+from diffalign.recipes import register_recipe
 from diffalign.recipes.diffusion_nft import OLD_ADAPTER, DiffusionNFTTrainer, SeededSamples
 
 
-@register_algorithm_config("awm")
 @dataclass
-class AWMConfig(AlgorithmConfig):
+@method_defaults(filter_zero_std_groups=False)  # the reference keeps them (A = 0: only the KL terms act)
+class AWMConfig(GroupAdvantageOptions, AlgorithmConfig):
+    """``algorithm.*`` of AWM; the advantage keys (``advantage_clip`` then scaled to
+    ``+-advantage_max``) from the shared mixin of :mod:`diffalign.config`."""
+
     name: str = "awm"
     weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"  # w(l, t) of the matching loss (reference: ghuber)
     ghuber_power: float = 0.25  # p of ghuber: t / p ((l + c)^p - c^p)
-    adv_clip: float = 5.0  # A clipped to +- this ...
     advantage_max: float = 1.0  # ... then scaled to +- this (reference: A / 5)
-    advantage_std: Literal["global", "group"] = "global"  # std over the batch (reference: global_std=True) or per prompt
-    advantage_eps: float = 1.0e-4
-    filter_zero_std_groups: bool = False  # the reference keeps them (A = 0: only the KL terms act)
     train_timesteps: int = 6  # noise levels trained per sample, one per stratum (reference: 6 of 14 steps)
     timestep_fraction: float = 0.9  # strata cover schedule indices up to int(num_steps * fraction) (reference: 0.9)
     time_type: Literal["discrete_wo_init", "discrete"] = "discrete_wo_init"  # skip sigma = 1 (reference) or not
@@ -59,16 +59,18 @@ class AWMConfig(AlgorithmConfig):
 
     old_decay_flat: int = 0
 
-    @property
-    def trained_steps_per_sample(self) -> int:  # the run header's count
+    renamed_keys = {"adv_clip": "advantage_clip"}
+
+    def trained_steps_per_sample(self, sde_steps: int) -> int:  # one noise level per stratum
         return self.train_timesteps
 
     def validate(self, prefix: str = "algorithm") -> None:
         check(self.weighting in WEIGHTINGS, f"{prefix}.weighting", f"must be one of {', '.join(WEIGHTINGS)}")
         check(self.train_timesteps >= 1, f"{prefix}.train_timesteps", "must be >= 1")
-        check_ranges(self, prefix, positive=("ghuber_power", "adv_clip", "advantage_max"),
+        check_ranges(self, prefix, positive=("ghuber_power", "advantage_max"),
                      nonnegative=("kl_beta", "ema_kl_beta", "ema_decay_rate", "train_guidance_scale"),
                      fraction=("timestep_fraction",), decay=("ema_decay_max",))
+        super().validate(prefix)
 
 
 class AWMTrainer(DiffusionNFTTrainer):
@@ -108,7 +110,7 @@ class AWMTrainer(DiffusionNFTTrainer):
                 with torch.no_grad(), self.reference_model(), self.autocast():
                     v_ref = self.adapter.predict(x_t, t, emb, g)
             return awm_loss(v_theta, x0, eps, t, adv, v_ref=v_ref, v_ema=v_ema, weighting=algo.weighting,
-                            ghuber_power=algo.ghuber_power, adv_clip=algo.adv_clip, advantage_max=algo.advantage_max,
+                            ghuber_power=algo.ghuber_power, adv_clip=algo.advantage_clip, advantage_max=algo.advantage_max,
                             kl_beta=algo.kl_beta, ema_kl_beta=algo.ema_kl_beta)
 
         keys = ("loss", "policy_loss", "matching_loss", "kl", "ema_kl")
@@ -121,5 +123,7 @@ class AWMTrainer(DiffusionNFTTrainer):
                  f"{a.train_timesteps} noise levels per sample, weighting {a.weighting}, KL {a.kl_beta}, EMA-KL {a.ema_kl_beta} "
                  f"(EMA decay min({a.ema_decay_rate} x steps, {a.ema_decay_max}))")
 
+
+register_recipe("awm", AWMConfig, AWMTrainer)
 
 __all__ = ["AWMConfig", "AWMTrainer"]

@@ -36,9 +36,9 @@ from diffalign.algorithms.branch_grpo import (
     training_edges,
     zero_std_trees,
 )
-from diffalign.algorithms.grpo_guard import GuardOptions
-from diffalign.config import AlgorithmConfig, check, register_algorithm_config
+from diffalign.config import AdvantageOptions, AlgorithmConfig, ClippedPolicyOptions, check, method_defaults
 from diffalign.errors import ConfigError
+from diffalign.recipes import register_recipe
 from diffalign.recipes._clipped import accumulate_clipped, reference_kl
 from diffalign.recipes._grpo_guard import make_guard
 from diffalign.sampling import build_kernel, sde_window_mask
@@ -49,9 +49,12 @@ from diffalign.training.rewards import reward_info
 MIB = 1024 * 1024
 
 
-@register_algorithm_config("branch_grpo")
 @dataclass
-class BranchGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard (docs/grpo_guard.md)
+@method_defaults(clip_range=1e-3, advantage_eps=1e-8)  # the BranchGRPO reference's PPO epsilon and z-score eps
+class BranchGRPOConfig(AdvantageOptions, ClippedPolicyOptions, AlgorithmConfig):
+    """``algorithm.*`` of BranchGRPO; advantage (z-scores per tree depth), clipped-loss and guard_*
+    keys from the shared mixins of :mod:`diffalign.config` (GRPO-Guard: docs/grpo_guard.md)."""
+
     name: str = "branch_grpo"
     # ---- the tree (rollout) ----
     split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])  # 0-based steps where every node branches (paper: 0,3,6,9 of 20)
@@ -63,8 +66,6 @@ class BranchGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Gua
     reward_fusion: Literal["mean", "prob_weighted"] = "mean"  # node value: mean of leaf descendants (code) or softmax(alpha logp)-weighted children (paper)
     fusion_temperature: float = 1.0  # alpha of prob_weighted fusion
     advantage_unbiased_std: bool = True  # z-score per depth with Bessel's std (torch.std, as the reference) or the population std
-    advantage_clip: float = 5.0  # A clipped to +- this
-    filter_zero_std_trees: bool = True  # skip the edges of trees whose leaf rewards are all equal (all A = 0: no gradient, only cost)
     # ---- pruning of training edges (the rollout is unchanged) ----
     depth_pruning: list[int] = field(default_factory=list)  # child depths (1..num_steps) whose edges are not trained
     depth_pruning_slide: bool = False  # slide the pruned depths one step towards the root every depth_pruning_slide_every iterations
@@ -73,13 +74,11 @@ class BranchGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Gua
     width_pruning: Literal["none", "top", "best_worst"] = "none"  # after the last split keep the top ratio of branches, or best and worst ratio/2
     width_pruning_ratio: float = 0.5
     pruning_iterations: int = 0  # prune only in the first N iterations (reference pruning_step_ratio); 0 = always
-    # ---- loss ----
-    clip_range: float = 1e-3  # PPO epsilon (BranchGRPO reference: 1e-3)
-    beta: float = 0.0  # KL weight to the adapter-disabled reference; 0 in the reference recipe
-    logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims
     tree_picture: bool = True  # add a picture of one prompt's tree to report.md
 
-    def validate(self) -> None:
+    renamed_keys = {"filter_zero_std_trees": "filter_zero_std_groups"}  # a group is a prompt's tree
+
+    def validate(self, prefix: str = "algorithm") -> None:
         check(len(self.split_steps) >= 1, "algorithm.split_steps", "must list at least one step")
         check(len(set(self.split_steps)) == len(self.split_steps), "algorithm.split_steps", f"has duplicates: {self.split_steps}")
         check(all(s >= 0 for s in self.split_steps), "algorithm.split_steps", f"must be >= 0: {self.split_steps}")
@@ -87,14 +86,11 @@ class BranchGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Gua
         check(self.split_noise_scale > 0, "algorithm.split_noise_scale", "must be > 0")
         check(self.forward_memory_mb >= 0, "algorithm.forward_memory_mb", "must be >= 0 (0 = chunk by rollout.sample_batch_size)")
         check(self.fusion_temperature > 0, "algorithm.fusion_temperature", "must be > 0")
-        check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
         check(all(d >= 1 for d in self.depth_pruning), "algorithm.depth_pruning", f"depths must be >= 1: {self.depth_pruning}")
         check(self.depth_pruning_slide_every >= 1, "algorithm.depth_pruning_slide_every", "must be >= 1")
         check(0 < self.width_pruning_ratio <= 1, "algorithm.width_pruning_ratio", "must be in (0, 1]")
         check(self.pruning_iterations >= 0, "algorithm.pruning_iterations", "must be >= 0")
-        check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
-        check(self.beta >= 0, "algorithm.beta", "must be >= 0")
-        self.validate_guard()
+        super().validate(prefix)
 
 
 def check_tree_config(cfg) -> TreeStructure:
@@ -234,7 +230,8 @@ class BranchGRPOTrainer(Trainer):
         all_rewards = self.accelerator.gather(rewards.to(self.device)).cpu().view(n_global, tree.num_leaves)
         all_logp = self.accelerator.gather(traj.log_probs.to(self.device)).cpu().view(n_global, tree.num_nodes)
         values = fuse_rewards(all_rewards, tree, mode=algo.reward_fusion, edge_log_probs=all_logp, temperature=algo.fusion_temperature)
-        adv = depthwise_advantages(values, tree, unbiased=algo.advantage_unbiased_std, clip=algo.advantage_clip)
+        adv = depthwise_advantages(values, tree, unbiased=algo.advantage_unbiased_std, eps=algo.advantage_eps,
+                                   clip=algo.advantage_clip)
         trainable = traj.sde_mask & self.step_has_density  # edges with a density
         prune = algo.pruning_iterations == 0 or iteration < algo.pruning_iterations
         stop = algo.depth_pruning_stop_depth if algo.depth_pruning_stop_depth >= 0 else (tree.last_split or 0)
@@ -246,7 +243,7 @@ class BranchGRPOTrainer(Trainer):
                                width_mode=algo.width_pruning if prune else "none", width_ratio=algo.width_pruning_ratio)
         flat = zero_std_trees(all_rewards)
         considered = unpruned  # the edges pruning chooses from
-        if algo.filter_zero_std_trees:
+        if algo.filter_zero_std_groups:
             edges &= ~flat[:, None]
             considered = unpruned & ~flat[:, None]
         nfe = self._reduce_sum([traj.nfe, traj.forwards, traj.denoiser_rows])
@@ -299,7 +296,7 @@ class BranchGRPOTrainer(Trainer):
         steps_applied, train_nfe = 0, 0
         emb_dev = next(iter(embeds.cond.values())).device
         guard = make_guard(self, algo, traj.timesteps, torch.unique(depth[all_edges[:, 1]] - 1),
-                           reduction=getattr(algo, "logprob_reduction", "mean"))  # GRPO-Guard (None when off)
+                           reduction=algo.logprob_reduction)  # GRPO-Guard (None when off)
         self.adapter.denoiser.train()
         for _epoch in range(cfg.train.inner_epochs):
             perm = torch.randperm(len(all_edges), generator=self.generator)  # global shuffle, then our share
@@ -378,3 +375,6 @@ class BranchGRPOTrainer(Trainer):
         report = self.run_dir / "report.md"
         text = report.read_text() if report.exists() else f"# diffalign run report: `{self.run_dir.name}`\n"
         runs.atomic_write_text(report, text.rstrip("\n") + "\n" + "\n".join(lines))
+
+
+register_recipe("branch_grpo", BranchGRPOConfig, BranchGRPOTrainer)

@@ -9,10 +9,10 @@ dropped (Diffusion-DPO needs a winner).
 
 Every micro-batch: ``train.batch_size`` pairs, one noise level per pair (uniform), the same noise
 for winner and loser, the conditional denoiser (no CFG) of the policy and of the reference (LoRA
-disabled, or a frozen copy for full fine-tuning), and :func:`diffalign.algorithms.dpo.diffusion_dpo_loss`.
+disabled, or a frozen copy for full fine-tuning), and :func:`diffalign.algorithms.diffusion_dpo.diffusion_dpo_loss`.
 An iteration is ``train.optimizer_steps_per_iteration`` optimizer steps of
 ``algorithm.accumulation_steps`` micro-batches each. The math lives in
-:mod:`diffalign.algorithms.dpo`; the noising in :mod:`diffalign.forward_process`.
+:mod:`diffalign.algorithms.diffusion_dpo`; the noising in :mod:`diffalign.forward_process`.
 
 Multi-process runs draw the global batch of pair indices, noise and noise levels from the shared
 generator and take their slice, with losses normalised by the global pair count (as Flow-GRPO):
@@ -26,20 +26,20 @@ from typing import Optional
 
 import torch
 
-from diffalign.algorithms.dpo import diffusion_dpo_loss, per_sample_mse
-from diffalign.config import AlgorithmConfig, check, register_algorithm_config
+from diffalign.algorithms.diffusion_dpo import diffusion_dpo_loss, per_sample_mse
+from diffalign.config import AlgorithmConfig, check
 from diffalign.errors import DiffalignError
 from diffalign.forward_process import add_noise, denoising_target, encode_images, model_time
 from diffalign.pairs import PairSet, generate_pairs, read_pairs, write_pairs
 from diffalign.images import resize
 from diffalign.prompts import PromptSampler
+from diffalign.recipes import register_recipe
 from diffalign.sampling.linear import SampleSpec
 from diffalign.trainer import Trainer
 
 GENERATED_PAIRS_DIR = "pairs"  # under the run directory
 
 
-@register_algorithm_config("diffusion_dpo")
 @dataclass
 class DiffusionDPOConfig(AlgorithmConfig):
     name: str = "diffusion_dpo"
@@ -52,12 +52,13 @@ class DiffusionDPOConfig(AlgorithmConfig):
     tau_min: float = 0.0  # noise levels are drawn uniformly in [tau_min, tau_max) (0 clean, 1 noise)
     tau_max: float = 1.0
 
-    def validate(self) -> None:
+    def validate(self, prefix: str = "algorithm") -> None:
         check(self.beta > 0, "algorithm.beta", "must be > 0")
         check(self.pairs_limit >= 0, "algorithm.pairs_limit", "must be >= 0")
         check(self.generate_images_per_prompt >= 2, "algorithm.generate_images_per_prompt", "must be >= 2 (pairs need two images)")
         check(self.accumulation_steps >= 1, "algorithm.accumulation_steps", "must be >= 1")
         check(0.0 <= self.tau_min < self.tau_max <= 1.0, "algorithm.tau_min", "and algorithm.tau_max must satisfy 0 <= tau_min < tau_max <= 1")
+        super().validate(prefix)
 
 
 class DiffusionDPOTrainer(Trainer):
@@ -186,3 +187,6 @@ class DiffusionDPOTrainer(Trainer):
 def _check_has_winners(pairs: PairSet) -> None:
     if not bool((pairs.label_0 != 0.5).any()):
         raise DiffalignError(f"no preference pairs with a winner: all {len(pairs)} pairs are ties (label 0.5)")
+
+
+register_recipe("diffusion_dpo", DiffusionDPOConfig, DiffusionDPOTrainer)

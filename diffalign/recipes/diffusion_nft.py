@@ -33,8 +33,9 @@ import torch
 
 from diffalign.adapters.base import PromptEmbeds
 from diffalign.algorithms.diffusion_nft import ema_update_, nft_loss, old_policy_decay
-from diffalign.config import AlgorithmConfig, check_ranges, register_algorithm_config
+from diffalign.config import AlgorithmConfig, GroupAdvantageOptions, check_ranges, fraction_of_steps, method_defaults
 from diffalign.errors import ConfigError
+from diffalign.recipes import register_recipe
 from diffalign.sampling.seeded import SEED_HIGH, sample_seeded, seed_noise
 from diffalign.trainer import Trainer
 from diffalign.training.checks import SelfCheckError
@@ -45,17 +46,16 @@ OLD_ADAPTER = "old"  # name of the old / sampling policy's LoRA adapter (as in t
 DEFAULT_ADAPTER = "default"  # the trained adapter (peft's default name, the one the trainer optimises)
 
 
-@register_algorithm_config("diffusion_nft")
 @dataclass
-class DiffusionNFTConfig(AlgorithmConfig):
+@method_defaults(filter_zero_std_groups=False)  # the reference keeps them (A = 0 -> r = 0.5)
+class DiffusionNFTConfig(GroupAdvantageOptions, AlgorithmConfig):
+    """``algorithm.*`` of DiffusionNFT; the advantage keys (``advantage_clip`` is ``c`` of
+    ``r = clip(A) / (2 c) + 0.5``) from the shared mixin of :mod:`diffalign.config`."""
+
     name: str = "diffusion_nft"
     nft_beta: float = 1.0  # b: v+ = b v_theta + (1 - b) v_old, v- = (1 + b) v_old - b v_theta (reference: 1.0)
-    adv_clip: float = 5.0  # A clipped to +- this; r = clip(A) / (2 adv_clip) + 0.5
     policy_loss_scale: float = 5.0  # the reference code multiplies the policy loss by adv_clip_max (5); 1 = algorithms.md's formula
     kl_beta: float = 1.0e-4  # weight of mean((v_theta - v_ref)^2), reference = adapter disabled; 0 skips that forward
-    advantage_std: Literal["global", "group"] = "global"  # std over the batch (reference: global_std=True) or per prompt
-    advantage_eps: float = 1.0e-4  # A = (r - mean_prompt) / (std + eps)
-    filter_zero_std_groups: bool = False  # the reference keeps them (A = 0 -> r = 0.5)
     train_timestep_fraction: float = 0.6  # noise levels trained per sample: int(num_steps * fraction) (Sol-RL base: 0.6)
     timestep_selection: Literal["random", "first"] = "random"  # per sample a random subset of the rollout's sigmas (reference), or the first
     old_decay_rate: float = 0.001  # d = min(rate * optimizer_steps, old_decay_max) ...
@@ -65,10 +65,16 @@ class DiffusionNFTConfig(AlgorithmConfig):
     train_guidance_scale: float = 1.0  # CFG in the training forwards; 1 = conditional only (DiffusionNFT is CFG-free)
     weight_min: float = 1.0e-5  # floor of the adaptive weight (mean |x0_hat - x0|)
 
+    renamed_keys = {"adv_clip": "advantage_clip"}
+
     def validate(self, prefix: str = "algorithm") -> None:
-        check_ranges(self, prefix, positive=("nft_beta", "adv_clip", "policy_loss_scale", "weight_min"),
+        check_ranges(self, prefix, positive=("nft_beta", "policy_loss_scale", "weight_min"),
                      nonnegative=("kl_beta", "old_decay_rate", "old_decay_flat", "train_guidance_scale"),
                      fraction=("train_timestep_fraction",), decay=("old_decay_max",))
+        super().validate(prefix)
+
+    def trained_steps_per_sample(self, sde_steps: int) -> int:
+        return fraction_of_steps(sde_steps, self.train_timestep_fraction)
 
 
 @dataclass
@@ -226,7 +232,7 @@ class DiffusionNFTTrainer(Trainer):
         samples = self.rollout(iteration)
         t_update = time.perf_counter()
         adv, record = gathered_group_advantages(self, samples.rewards, samples.n_global, iteration,
-                                                std_mode=algo.advantage_std, eps=algo.advantage_eps, clip=algo.adv_clip,
+                                                std_mode=algo.advantage_std, eps=algo.advantage_eps, clip=algo.advantage_clip,
                                                 filter_zero_std=algo.filter_zero_std_groups)
         record.update(samples.info)
         record.update(self.update(samples, adv.advantages, adv.keep))
@@ -258,7 +264,7 @@ class DiffusionNFTTrainer(Trainer):
             if algo.kl_beta > 0:
                 with torch.no_grad(), self.reference_model(), self.autocast():
                     v_ref = self.adapter.predict(x_t, t, emb, g)
-            return nft_loss(v_theta, v_old, x_t, x0, t, adv, v_ref=v_ref, nft_beta=algo.nft_beta, adv_clip=algo.adv_clip,
+            return nft_loss(v_theta, v_old, x_t, x0, t, adv, v_ref=v_ref, nft_beta=algo.nft_beta, adv_clip=algo.advantage_clip,
                             policy_loss_scale=algo.policy_loss_scale, kl_beta=algo.kl_beta, weight_min=algo.weight_min)
 
         keys = ("loss", "policy_loss", "kl", "positive_loss", "negative_loss", "r_mean", "old_deviation")
@@ -347,3 +353,6 @@ class DiffusionNFTTrainer(Trainer):
         a = self.algo
         self.log(f"  DiffusionNFT: rollouts with the {self.sampling_adapter!r} adapter (ODE, {self.cfg.sampling.num_steps} steps), "
                  f"b {a.nft_beta}, KL {a.kl_beta}, old adapter decay min({a.old_decay_rate} x steps, {a.old_decay_max})")
+
+
+register_recipe("diffusion_nft", DiffusionNFTConfig, DiffusionNFTTrainer)

@@ -5,7 +5,7 @@ Per prompt, G chains (``rollout.group_size``) start from their own noise. At eve
 ``x_t`` is branched into ``algorithm.num_candidates`` k candidates ``x_{t'}^j`` with one denoiser
 forward; the reward — a DRM (``reward.name: drm``), which scores **noisy** latents through its
 ``score_latents`` — scores each candidate at ``t'`` without decoding; the k scores are z-scored
-(:func:`diffalign.algorithms.step_grpo.candidate_advantages`), and every candidate transition is
+(:func:`diffalign.algorithms.drm_step_grpo.candidate_advantages`), and every candidate transition is
 trained with Flow-GRPO's clipped loss (:class:`~diffalign.recipes._transitions.TransitionTrainer`;
 one forward re-scores all k candidates of a state). The chain continues from a uniformly random
 candidate (``continuation: random``, as SPO) or the best one (``best``); the paper does not say
@@ -18,6 +18,7 @@ final samples of the rollouts and the evaluation images, so that runs report the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -25,45 +26,47 @@ import torch
 
 import reward_models
 from diffalign.algorithms.continuation import CONTINUATIONS, choose_continuation
-from diffalign.algorithms.step_grpo import candidate_advantages
-from diffalign.algorithms.grpo_guard import GuardOptions
-from diffalign.config import AlgorithmConfig, check, register_algorithm_config
+from diffalign.algorithms.drm_step_grpo import candidate_advantages
+from diffalign.config import AdvantageOptions, AlgorithmConfig, ClippedPolicyOptions, check
 from diffalign.drm.model import check_compatible
 from diffalign.drm.sampling import MAX_BRANCHES, branch_candidates
 from diffalign.errors import ConfigError
+from diffalign.recipes import register_recipe
 from diffalign.recipes._transitions import TransitionTrainer, Transitions
-from diffalign.training.groups import plan_group_rollout
 
 
-@register_algorithm_config("drm_step_grpo")
 @dataclass
-class StepGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard (docs/grpo_guard.md)
+class DRMStepGRPOConfig(AdvantageOptions, ClippedPolicyOptions, AlgorithmConfig):
+    """``algorithm.*`` of DRM Step-GRPO; advantages z-score the k candidates of a state (a group is
+    a state: ``filter_zero_std_groups`` drops states whose k scores are all equal); clipped-loss and
+    guard_* keys from the shared mixins of :mod:`diffalign.config` (GRPO-Guard: docs/grpo_guard.md)."""
+
     name: str = "drm_step_grpo"
     num_candidates: int = 6  # k: SDE candidates branched from each state (paper: 6)
     continuation: Literal["random", "best"] = "random"  # which candidate a chain continues from (unverified in the paper)
-    advantage_clip: float = 5.0  # A clipped to +- this
-    advantage_eps: float = 1e-4  # A = (s - mean_k) / (std_k + eps)
-    filter_zero_std: bool = True  # drop states whose k scores are all equal
-    clip_range: float = 1e-4  # PPO epsilon
-    beta: float = 0.0  # KL weight against the adapter-disabled reference; 0 skips the reference forward
-    logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims
     monitor_reward: str = ""  # reward of rollout finals and evaluation (e.g. shapes_eval); "" = the DRM on clean images
     monitor_reward_kwargs: dict = field(default_factory=dict)
     # The DRM's training recipe for `diffalign train-reward THIS_CONFIG` (keys of diffalign.drm.train.DRMRunConfig;
     # output_dir defaults to reward.kwargs.path, drm.base to model.id, prompts to this run's); unused by `train`.
     drm_train: dict = field(default_factory=dict)
 
-    def validate(self) -> None:
-        check(2 <= self.num_candidates <= MAX_BRANCHES, "algorithm.num_candidates", f"must be in [2, {MAX_BRANCHES}] (z-scores need 2)")
-        check(self.continuation in CONTINUATIONS, "algorithm.continuation", f"must be one of {', '.join(CONTINUATIONS)}")
-        check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
-        check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
-        check(self.beta >= 0, "algorithm.beta", "must be >= 0")
-        self.validate_guard()
+    renamed_keys = {"filter_zero_std": "filter_zero_std_groups"}
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        check(2 <= self.num_candidates <= MAX_BRANCHES, f"{prefix}.num_candidates", f"must be in [2, {MAX_BRANCHES}] (z-scores need 2)")
+        check(self.continuation in CONTINUATIONS, f"{prefix}.continuation", f"must be one of {', '.join(CONTINUATIONS)}")
+        super().validate(prefix)
+
+    def untrained_judge(self, cfg, config_path: str) -> str | None:
+        path = str((cfg.reward.kwargs or {}).get("path", "")) if cfg.reward.name == "drm" else ""
+        if path and self.drm_train and not Path(path).exists():
+            return (f"the diffusion reward model {path!r} (reward.kwargs.path) is not trained yet; "
+                    f"train it first with: diffalign train-reward {config_path}")
+        return None
 
 
-class StepGRPOTrainer(TransitionTrainer):
-    algo: StepGRPOConfig
+class DRMStepGRPOTrainer(TransitionTrainer):
+    algo: DRMStepGRPOConfig
 
     def _setup_trainable(self) -> None:
         # Runs after the reward and the model are built and before the run directory is touched.
@@ -100,7 +103,7 @@ class StepGRPOTrainer(TransitionTrainer):
     def rollout(self, iteration: int) -> dict:
         cfg, s, algo = self.cfg, self.cfg.sampling, self.algo
         k = algo.num_candidates
-        plan = plan_group_rollout(self, iteration, with_step_noise=False)  # the step noise is drawn per step below
+        plan = self.plan_group_rollout(iteration, with_step_noise=False)  # the step noise is drawn per step below
         chain_prompts, n_local, n_global, embeds = plan.sample_prompts, plan.n_local, plan.n_global, plan.embeds
         sde_mask, schedule, local = plan.sde_mask, plan.schedule, slice(plan.first, plan.first + plan.n_local)
         latent = self.adapter.latent_shape(self.resolution, self.resolution)
@@ -163,7 +166,7 @@ class StepGRPOTrainer(TransitionTrainer):
         scores = torch.stack(ro["scores"], 1)  # (C, S, k)
         c, n_steps = scores.shape[:2]
         adv = candidate_advantages(scores.flatten(0, 1), eps=algo.advantage_eps, clip=algo.advantage_clip,
-                                   filter_zero_std=algo.filter_zero_std)
+                                   filter_zero_std=algo.filter_zero_std_groups)
         step_ids = torch.tensor(ro["steps"])
         chain_ids = torch.arange(c).repeat_interleave(n_steps)
         flat_steps = step_ids.repeat(c)
@@ -192,3 +195,6 @@ class StepGRPOTrainer(TransitionTrainer):
         })
         record.update(self.update_transitions(tr, ro["embeds"]))
         return record
+
+
+register_recipe("drm_step_grpo", DRMStepGRPOConfig, DRMStepGRPOTrainer)

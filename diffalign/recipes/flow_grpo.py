@@ -13,18 +13,39 @@ processes. Two processes therefore compute the same update as one process over t
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from diffalign.config import FlowGRPOConfig
+from diffalign.config import AlgorithmConfig, ClippedPolicyOptions, GroupAdvantageOptions, check, fraction_of_steps, method_defaults
 from diffalign.errors import ConfigError
+from diffalign.recipes import register_recipe
 from diffalign.recipes._clipped import accumulate_clipped, reference_kl
 from diffalign.recipes._grpo_guard import make_guard
 from diffalign.sampling import Trajectory
 from diffalign.trainer import Trainer
 from diffalign.training.rewards import reward_info
-from diffalign.training.groups import (gathered_group_advantages, plan_group_rollout, sample_group_chunks, sample_level_batches,
+from diffalign.training.groups import (gathered_group_advantages, sample_group_chunks, sample_level_batches,
                                        shuffled_share)
+
+
+@dataclass
+@method_defaults(beta=0.04)
+class FlowGRPOConfig(GroupAdvantageOptions, ClippedPolicyOptions, AlgorithmConfig):
+    """``algorithm.*`` of Flow-GRPO; advantage, clipped-loss and guard_* keys from the shared mixins
+    of :mod:`diffalign.config` (GRPO-Guard: docs/grpo_guard.md)."""
+
+    name: str = "flow_grpo"
+    train_timestep_fraction: float = 0.99  # fraction of SDE steps trained per sample (0.99 of 10 -> 9)
+    timestep_selection: Literal["first", "random"] = "first"  # which SDE steps: the first ones, or random per sample
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        check(0 < self.train_timestep_fraction <= 1, f"{prefix}.train_timestep_fraction", "must be in (0, 1]")
+        super().validate(prefix)
+
+    def trained_steps_per_sample(self, sde_steps: int) -> int:
+        return fraction_of_steps(sde_steps, self.train_timestep_fraction)
 
 
 class FlowGRPOTrainer(Trainer):
@@ -35,7 +56,7 @@ class FlowGRPOTrainer(Trainer):
         self.algo: FlowGRPOConfig = cfg.algorithm
         self.needs_reference = self.algo.beta > 0
         self._checked = False  # on-policy self-check done
-        if getattr(self.algo, "guard_active", False) and cfg.sampling.noise_pool != 1:
+        if self.algo.guard_active and cfg.sampling.noise_pool != 1:
             raise ConfigError("config key 'sampling.noise_pool' must be 1 with GRPO-Guard (its ratio normalisation assumes "
                               "full-resolution noise)")
 
@@ -44,7 +65,7 @@ class FlowGRPOTrainer(Trainer):
         """Sample this process's share of the iteration's groups and score them.
 
         Returns (trajectory, embeds, prompts, global sample indices, rewards, reward info)."""
-        plan = plan_group_rollout(self, iteration)
+        plan = self.plan_group_rollout(iteration)
         trajs, futures = [], []
         for idx, traj in sample_group_chunks(self, plan):
             trajs.append(traj)
@@ -149,3 +170,6 @@ class FlowGRPOTrainer(Trainer):
         emb = embeds.select(rows.to(embeds.cond[next(iter(embeds.cond))].device))
         self.idle_forward(traj.latents[rows, step].to(self.device), traj.timesteps[step].to(self.device), emb, g,
                           reference=self.algo.beta > 0)
+
+
+register_recipe("flow_grpo", FlowGRPOConfig, FlowGRPOTrainer)

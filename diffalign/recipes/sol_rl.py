@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 
 from diffalign.algorithms.sol_rl import SELECTION_MODES, kendall_tau, select_indices, topk_hit_rate
-from diffalign.config import AlgorithmConfig, FlowGRPOConfig, check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check
 from diffalign.errors import ConfigError
 from diffalign.sol_rl.fidelity import velocity_error
 from diffalign.sol_rl.policy_copy import LowPrecisionCopy
@@ -44,7 +44,8 @@ from diffalign.sol_rl.quantize import QuantConfig, resolve_format
 from diffalign.recipes.diffusion_nft import (
     DEFAULT_ADAPTER, DiffusionNFTConfig, DiffusionNFTTrainer, SeededSamples, draw_prompts_and_seeds, sample_and_score,
 )
-from diffalign.recipes.flow_grpo import FlowGRPOTrainer
+from diffalign.recipes import register_recipe
+from diffalign.recipes.flow_grpo import FlowGRPOConfig, FlowGRPOTrainer
 from diffalign.sampling import Trajectory, sde_window_mask
 from diffalign.sampling.seeded import sample_seeded, seed_noise
 from diffalign.trainer import Trainer
@@ -58,7 +59,6 @@ def _sol_rl_quant_defaults() -> QuantConfig:
     return QuantConfig(format="nvfp4", on_unsupported="fallback", fallback_formats=["fp8", "bf16"])
 
 
-@register_algorithm_config("sol_rl")
 @dataclass
 class SolRLConfig(AlgorithmConfig):
     name: str = "sol_rl"
@@ -73,27 +73,27 @@ class SolRLConfig(AlgorithmConfig):
     diffusion_nft: DiffusionNFTConfig = field(default_factory=DiffusionNFTConfig)  # optimizer=diffusion_nft
     flow_grpo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)  # optimizer=flow_grpo
 
-    # What the shared code reads from cfg.algorithm (derived numbers, kernel reduction): the optimiser's.
     @property
-    def train_timestep_fraction(self) -> float:
-        return (self.diffusion_nft if self.optimizer == "diffusion_nft" else self.flow_grpo).train_timestep_fraction
+    def update(self) -> AlgorithmConfig:
+        """The config of the stage-2 update (``algorithm.optimizer``)."""
+        return self.diffusion_nft if self.optimizer == "diffusion_nft" else self.flow_grpo
 
-    @property
-    def logprob_reduction(self) -> str:
-        return self.flow_grpo.logprob_reduction
+    def trained_steps_per_sample(self, sde_steps: int) -> int:
+        return self.update.trained_steps_per_sample(sde_steps)
 
-    def validate(self) -> None:
-        check(self.pool_size >= 2, "algorithm.pool_size", "must be >= 2")
-        check(self.stage1_steps >= 1, "algorithm.stage1_steps", "must be >= 1 (stage-1 ODE steps)")
-        check(self.stage1_batch_size >= 0, "algorithm.stage1_batch_size", "must be >= 0")
-        check(self.audit_every >= 0, "algorithm.audit_every", "must be >= 0")
-        check(self.selection in SELECTION_MODES, "algorithm.selection", f"must be one of {', '.join(SELECTION_MODES)}")
-        self.quant.validate("algorithm.quant")
-        self.diffusion_nft.validate("algorithm.diffusion_nft")
-        check(self.flow_grpo.advantage_clip > 0, "algorithm.flow_grpo.advantage_clip", "must be > 0")
-        check(0 < self.flow_grpo.clip_range < 1, "algorithm.flow_grpo.clip_range", "must be in (0, 1)")
-        check(self.flow_grpo.beta >= 0, "algorithm.flow_grpo.beta", "must be >= 0")
-        check(0 < self.flow_grpo.train_timestep_fraction <= 1, "algorithm.flow_grpo.train_timestep_fraction", "must be in (0, 1]")
+    def kernel_reduction(self) -> str:
+        return self.flow_grpo.kernel_reduction()
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        check(self.pool_size >= 2, f"{prefix}.pool_size", "must be >= 2")
+        check(self.stage1_steps >= 1, f"{prefix}.stage1_steps", "must be >= 1 (stage-1 ODE steps)")
+        check(self.stage1_batch_size >= 0, f"{prefix}.stage1_batch_size", "must be >= 0")
+        check(self.audit_every >= 0, f"{prefix}.audit_every", "must be >= 0")
+        check(self.selection in SELECTION_MODES, f"{prefix}.selection", f"must be one of {', '.join(SELECTION_MODES)}")
+        self.quant.validate(f"{prefix}.quant")
+        self.diffusion_nft.validate(f"{prefix}.diffusion_nft")
+        self.flow_grpo.validate(f"{prefix}.flow_grpo")
+        super().validate(prefix)
 
 
 @dataclass
@@ -350,5 +350,7 @@ def build_sol_rl_trainer(cfg, **kwargs):
         return SolRLGRPOTrainer(cfg, **kwargs)
     return SolRLTrainer(cfg, **kwargs)
 
+
+register_recipe("sol_rl", SolRLConfig, build_sol_rl_trainer)
 
 __all__ = ["SolRLConfig", "SolRLTrainer", "SolRLGRPOTrainer", "TwoStageRollout", "StageOne", "build_sol_rl_trainer"]

@@ -2,7 +2,7 @@
 (win, lose) transition pairs -> the SPO loss against the frozen initial model.
 
 The math lives in :mod:`diffalign.algorithms.spo`, the rollout in
-:mod:`diffalign.spo.sampling`, the preference model in :mod:`diffalign.spo.model` (trained with
+:mod:`diffalign.spm.sampling`, the preference model in :mod:`diffalign.spm.model` (trained with
 ``diffalign train-spm``); this file only orchestrates. Kernels: DDIM with eta > 0 for epsilon
 models (``sampling.kernel: ddim``, the paper's SD1.5 / SDXL setting) and the flow SDE kernels
 (``flow_grpo``, ``cps``, ``dance``) for flow models.
@@ -34,26 +34,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 import reward_models
 from diffalign.algorithms.spo import spo_loss
-from diffalign.config import AlgorithmConfig, check, register_algorithm_config
+from diffalign.config import AlgorithmConfig, check
+from diffalign.config_files import from_dict
 from diffalign.errors import ConfigError, RewardError
-from diffalign.spo.sampling import StepPairs, sample_stepwise
+from diffalign.recipes import register_recipe
+from diffalign.spm.sampling import StepPairs, sample_stepwise
+from diffalign.spm.train import SPMTrainConfig
 from diffalign.trainer import Trainer
 from diffalign.training.rewards import reward_info
 
 
-@register_algorithm_config("spo")
 @dataclass
 class SPOConfig(AlgorithmConfig):
     name: str = "spo"
     spm: str = "spm"  # reward name or dotted path of the step-aware preference model; it must take a timestep
     spm_kwargs: dict = field(default_factory=dict)  # e.g. {model: runs/spm_shapes} (an SPM folder from `diffalign train-spm`)
-    # How `diffalign train-spm <this config>` trains that SPM: diffalign.spo.train.SPMTrainConfig keys; model, prompts,
+    # How `diffalign train-spm <this config>` trains that SPM: diffalign.spm.train.SPMTrainConfig keys; model, prompts,
     # reward and seed default to the run's, output_dir to spm_kwargs.model. Not used by the SPO run itself.
     spm_train: dict = field(default_factory=dict)
     num_candidates: int = 4  # k: candidates of the next state drawn from each shared state (SD1.5 4, SDXL 2)
@@ -66,7 +69,7 @@ class SPOConfig(AlgorithmConfig):
     accumulation_steps: int = 1  # micro-batches of train.batch_size pairs per optimizer step
     logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims (reference: mean)
 
-    def validate(self) -> None:
+    def validate(self, prefix: str = "algorithm") -> None:
         check(self.num_candidates >= 2, "algorithm.num_candidates", f"must be >= 2 (a pair needs two candidates), got {self.num_candidates}")
         check(0.0 <= self.threshold < 1.0, "algorithm.threshold",
                f"must be in [0, 1) (a softmax margin of two scores lies in [0, 1)), got {self.threshold}")
@@ -77,14 +80,25 @@ class SPOConfig(AlgorithmConfig):
         check(self.accumulation_steps >= 1, "algorithm.accumulation_steps", "must be >= 1")
         check(bool(self.spm), "algorithm.spm", "must name a step-aware preference model (e.g. spm)")
         if self.spm_train:  # checked with the run config's defaults by `train-spm`; here its own keys and values
-            from diffalign.config_files import from_dict
-            from diffalign.spo.train import SPMTrainConfig
-
             try:
                 from_dict(SPMTrainConfig, self.spm_train, "algorithm.spm_train").validate()
             except ConfigError as exc:
                 raise ConfigError(str(exc).replace("config key '", "config key 'algorithm.spm_train.")
                                   .replace("algorithm.spm_train.algorithm.spm_train.", "algorithm.spm_train.")) from None
+        super().validate(prefix)
+
+    def named_rewards(self) -> list[tuple[str, str, dict]]:
+        return [("algorithm.spm", self.spm, self.spm_kwargs)]  # the step-aware preference model is a reward by name
+
+    def kernel_reduction(self) -> str:
+        return self.logprob_reduction
+
+    def untrained_judge(self, cfg, config_path: str) -> str | None:
+        model = str((self.spm_kwargs or {}).get("model", ""))
+        if self.spm == "spm" and self.spm_train and model and not model.startswith("tiny:") and not Path(model).exists():
+            return (f"the step-aware preference model {model!r} (algorithm.spm_kwargs.model) is not trained yet; "
+                    f"train it first with: diffalign train-spm {config_path}")
+        return None
 
 
 def build_step_aware_scorer(name: str, kwargs: dict, device: str):
@@ -312,3 +326,6 @@ class SPOTrainer(Trainer):
 
     def load_extra_state(self, state: dict) -> None:
         self._checked = bool(state.get("checked", self._checked))
+
+
+register_recipe("spo", SPOConfig, SPOTrainer)

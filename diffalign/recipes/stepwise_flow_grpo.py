@@ -7,7 +7,7 @@ ODE substeps) is decoded; the final state uses the real sample. All ``T + 1`` im
 chunk go to the reward in **one** call (in a worker thread that overlaps the next chunk's
 sampling when ``rollout.overlap_rewards``), so an iteration makes one reward call per chunk of
 ``rollout.sample_batch_size`` samples. Gains ``g_t = r_{t+1} - r_t`` are z-scored jointly over a
-group's gains (or per step) by :mod:`diffalign.algorithms.stepwise`, and every trained step gets
+group's gains (or per step) by :mod:`diffalign.algorithms.stepwise_flow_grpo`, and every trained step gets
 its own advantage in Flow-GRPO's clipped loss (:class:`~diffalign.recipes._transitions.TransitionTrainer`).
 
 Trained steps are the SDE steps with a non-zero transition std: CPS's last step (to sigma 0) and,
@@ -22,35 +22,28 @@ from typing import Literal
 
 import torch
 
-from diffalign.algorithms.stepwise import stepwise_advantages, stepwise_gains
-from diffalign.algorithms.grpo_guard import GuardOptions
-from diffalign.config import AlgorithmConfig, check, register_algorithm_config
+from diffalign.algorithms.stepwise_flow_grpo import stepwise_advantages, stepwise_gains
+from diffalign.config import AdvantageOptions, AlgorithmConfig, ClippedPolicyOptions, check
+from diffalign.recipes import register_recipe
 from diffalign.recipes._transitions import TransitionTrainer, Transitions
-from diffalign.training.groups import plan_group_rollout, sample_group_chunks
+from diffalign.training.groups import sample_group_chunks
 from diffalign.sampling import Kernel, sde_window_mask
 from diffalign.sampling.dense import MAX_SUBSTEPS, DenseTrajectory, check_flow, decode_estimates, sample_linear_dense
 
 
-@register_algorithm_config("stepwise_flow_grpo")
 @dataclass
-class StepwiseFlowGRPOConfig(GuardOptions, AlgorithmConfig):  # guard_* keys: GRPO-Guard (docs/grpo_guard.md)
+class StepwiseFlowGRPOConfig(AdvantageOptions, ClippedPolicyOptions, AlgorithmConfig):
+    """``algorithm.*`` of Stepwise-Flow-GRPO; advantages z-score the per-step gains of a group
+    (``filter_zero_std_groups``: per_step drops group-steps whose gains are all equal); clipped-loss
+    and guard_* keys from the shared mixins of :mod:`diffalign.config` (GRPO-Guard: docs/grpo_guard.md)."""
+
     name: str = "stepwise_flow_grpo"
     tweedie_substeps: int = 5  # K: ODE substeps refining each x0_hat (paper 5, robust 2..8); 0 = plain Tweedie (1 is the same)
     advantage_norm: Literal["joint", "per_step"] = "joint"  # z-score gains over all of a group's gains (paper) or per step
-    advantage_clip: float = 5.0  # A clipped to +- this
-    advantage_eps: float = 1e-4  # A = (g - mean) / (std + eps)
-    filter_zero_std_groups: bool = True  # drop groups (per_step: group-steps) whose gains are all equal
-    clip_range: float = 1e-4  # PPO epsilon
-    beta: float = 0.0  # KL weight against the adapter-disabled reference; 0 skips the reference forward
-    logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims
 
-    def validate(self) -> None:
-        check(0 <= self.tweedie_substeps <= MAX_SUBSTEPS, "algorithm.tweedie_substeps", f"must be in [0, {MAX_SUBSTEPS}]")
-        check(self.advantage_clip > 0, "algorithm.advantage_clip", "must be > 0")
-        check(self.advantage_eps >= 0, "algorithm.advantage_eps", "must be >= 0")
-        check(0 < self.clip_range < 1, "algorithm.clip_range", "must be in (0, 1)")
-        check(self.beta >= 0, "algorithm.beta", "must be >= 0")
-        self.validate_guard()
+    def validate(self, prefix: str = "algorithm") -> None:
+        check(0 <= self.tweedie_substeps <= MAX_SUBSTEPS, f"{prefix}.tweedie_substeps", f"must be in [0, {MAX_SUBSTEPS}]")
+        super().validate(prefix)
 
 
 def trainable_steps(kernel: Kernel, schedule: torch.Tensor, sde_mask: torch.Tensor) -> torch.Tensor:
@@ -94,7 +87,7 @@ class StepwiseFlowGRPOTrainer(TransitionTrainer):
         Returns (trajectory, embeds, global id of the first local sample, n_global, rewards
         (n_local, T+1))."""
         s = self.cfg.sampling
-        plan = plan_group_rollout(self, iteration)
+        plan = self.plan_group_rollout(iteration)
         trajs, futures = [], []
         for idx, traj in sample_group_chunks(self, plan, sample_linear_dense, substeps=self.algo.tweedie_substeps):
             images = decode_estimates(self.adapter, traj.x0_estimates, self.cfg.rollout.sample_batch_size)  # (b (T+1), 3, H, W)
@@ -152,3 +145,6 @@ class StepwiseFlowGRPOTrainer(TransitionTrainer):
             global_ids=(first + rows) * num_steps + steps,
             num_global=n_global * num_steps,
         )
+
+
+register_recipe("stepwise_flow_grpo", StepwiseFlowGRPOConfig, StepwiseFlowGRPOTrainer)

@@ -9,7 +9,7 @@
 - :mod:`diffalign.sampling.tree`: tree rollouts with shared prefixes (BranchGRPO).
 
 Method-specific samplers live with their method: SPO's step-wise resampler in
-:mod:`diffalign.spo.sampling`, the DRM's k-candidate sampler in :mod:`diffalign.drm.sampling`.
+:mod:`diffalign.spm.sampling`, the DRM's k-candidate sampler in :mod:`diffalign.drm.sampling`.
 """
 
 from diffalign.sampling.linear import (

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import torch
 
 import schedulers
+from diffalign import progress as progress_bars
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.errors import ConfigError
 from schedulers.common import StepOutput, coarse as coarse_coordinates
@@ -276,8 +277,6 @@ def sample_images(
     out = []
     bar = None
     if progress is not None:
-        from diffalign import progress as progress_bars
-
         bar = progress_bars.bar(total=len(range(0, len(prompts), batch_size)) * num_steps, desc=progress, unit="step")
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start : start + batch_size])

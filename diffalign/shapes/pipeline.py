@@ -27,6 +27,8 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, UNet2D
 from diffusers.loaders import StableDiffusionLoraLoaderMixin
 from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
 
+from diffalign.shapes.coordinates import attach_coordinates
+
 # The pretrained model shipped inside the package (a few MB of safetensors).
 SHIPPED_MODEL_DIR = str(Path(__file__).resolve().parent.parent / "assets" / "shapes-t2i")
 
@@ -41,8 +43,6 @@ class ShapesPipeline(DiffusionPipeline, StableDiffusionLoraLoaderMixin):
         super().__init__()
         self.register_modules(text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler)
         if unet is not None:
-            from diffalign.shapes.model import attach_coordinates
-
             attach_coordinates(unet)  # a UNet with coordinate input channels appends them itself
 
     @property

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from diffalign.sampling import build_kernel
 from diffalign.sol_rl.policy_copy import LowPrecisionCopy
 from diffalign.sol_rl.quantize import QuantConfig, UnsupportedFormatError, resolve_format
 
@@ -49,8 +50,6 @@ def fidelity_report(adapter, formats: Sequence[str], prompts: Sequence[str], *, 
     seconds, and the median seconds per copy forward vs per full-precision forward (``repeats``
     timed forwards each, after one warm-up).
     """
-    from diffalign.sampling import build_kernel
-
     base = base or QuantConfig()
     device = adapter.device
     embeds = adapter.encode_prompts(list(prompts), with_uncond=guidance_scale > 1)

@@ -16,6 +16,7 @@ import torch
 
 from diffalign import distributed
 from diffalign.errors import ConfigError, NonFiniteError
+from diffalign.runs import RunDirError
 from diffalign.training.policy import EMA
 
 
@@ -85,7 +86,7 @@ class Backend:
         self.stats = stats
         self.consecutive_bad_steps = 0
         self.fsdp_units = None
-        fsdp = distributed.fsdp_requested(cfg)
+        fsdp = distributed.fsdp_requested(cfg.train.fsdp, cfg.train.zero_stage)
         if fsdp and not supports_fsdp:
             raise ConfigError(f"config key 'train.fsdp': algorithm {cfg.algorithm.name!r} does not support FSDP yet "
                               "(flow_grpo and stepwise_flow_grpo do); use train.zero_stage=2")
@@ -98,11 +99,13 @@ class Backend:
             raise ConfigError("config key 'lora' leaves no trainable parameters")
         self.optimizer = make_optimizer(self.trainable, cfg.optim)
         self.ds_engine = None
-        stage = distributed.zero_stage(cfg, accelerator)
+        stage = distributed.zero_stage(cfg.train.zero_stage, accelerator, mixed_precision=cfg.train.mixed_precision)
         if stage:
             # The rollouts call the raw denoiser (ZeRO-1/2 keep full weights on every process); the
             # engine owns the gradient reduction, clipping and the sharded optimizer step.
-            self.ds_engine, self.optimizer = distributed.initialize(denoiser, self.optimizer, cfg, stage, accelerator.num_processes)
+            self.ds_engine, self.optimizer = distributed.initialize(
+                denoiser, self.optimizer, stage, accelerator.num_processes, batch_size=cfg.train.batch_size,
+                grad_clip=cfg.optim.grad_clip)
             log(f"DeepSpeed ZeRO-{stage} over {accelerator.num_processes} processes")
         elif self.fsdp_units is None:  # under FSDP the plain optimizer steps the sharded parameters
             self.optimizer = accelerator.prepare(self.optimizer)
@@ -239,8 +242,6 @@ class Backend:
 
     def load_optimizer_state(self, state: dict, where: str) -> None:
         """Load a checkpoint's optimizer state (``where`` names the checkpoint in errors)."""
-        from diffalign.runs import RunDirError
-
         if self.ds_engine is not None:
             distributed.load_optimizer_state(self.optimizer, state, where)
         elif distributed.is_zero_state(state):

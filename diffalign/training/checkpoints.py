@@ -15,6 +15,7 @@ import torch
 
 from diffalign import distributed, runs
 from diffalign.config_files import dump_config, to_dict
+from diffalign.export import save_trained_weights
 
 
 def state_dict(trainer, next_iteration: int, optimizer_state: dict | None = None) -> dict:
@@ -73,28 +74,6 @@ def save_checkpoint(trainer, next_iteration: int) -> None:
 # trains something else under the same run directory.
 GUARDED_KEYS = ("model.id", "model.family", "algorithm.name", "lora.enabled", "lora.rank", "lora.targets", "prompts")
 CHANGES_FILE = "config_changes.jsonl"  # changes accepted with --allow-config-change, one record per resume
-
-
-def guarded_iteration(trainer, it: int) -> dict:
-    """``trainer.iteration(it)``; when the reward fails for good before any update of the
-    iteration, the random streams go back to where the iteration began and a checkpoint is written
-    there, so that ``diffalign resume`` repeats the iteration exactly once the reward works again."""
-    from diffalign.errors import DiffalignError
-    from diffalign.training.rewards import RewardFailures
-
-    trainer._updated_in_iteration = False
-    boundary = stream_state(trainer)
-    try:
-        return trainer.iteration(it)
-    except RewardFailures as exc:
-        if trainer.reward_pool is not None:
-            trainer.reward_pool.shutdown()
-        if not trainer._updated_in_iteration and trainer._saved_iteration != it:
-            load_stream_state(trainer, boundary)
-            trainer.save_checkpoint(it)
-        saved = trainer._saved_iteration
-        kept = f"checkpoint at iteration {saved}" if saved is not None else "no checkpoint"
-        raise DiffalignError(f"stopped: {exc}; {kept}; fix the reward, then: diffalign resume {trainer.run_dir}") from None
 
 
 def _lookup(d: dict, dotted: str):
@@ -162,10 +141,10 @@ def _read_usable(trainer) -> tuple[Path, dict] | None:
     return None
 
 
-def load_latest(trainer) -> int:
+def load_latest(trainer) -> int | None:
     """Restore the trainer from its run directory's latest readable checkpoint; returns its
     iteration. With no checkpoint at all (a run stopped before its first one) the run starts over
-    from iteration 0, which is what the uninterrupted run did."""
+    from iteration 0, which is what the uninterrupted run did: returns None."""
     changes = check_resume_config(trainer.run_dir, trainer.cfg, trainer.allow_config_change)
     if trainer.accelerator.is_main_process:
         for p in runs.clean_partial_writes(trainer.run_dir):
@@ -179,9 +158,8 @@ def load_latest(trainer) -> int:
             if changes:
                 _log_changes(trainer, changes, 0)
         trainer.log(f"no checkpoint in {trainer.run_dir}: starting over from iteration 0")
-        return 0
+        return None
     ckpt, state = found
-    trainer._resumed_from_checkpoint = True
     saved = state.get("config", {})
     current = to_dict(trainer.cfg)
     ignore = {"max_iterations", "output_dir", "log", "checkpoint", "eval"}
@@ -248,8 +226,6 @@ def save_final(trainer, iteration: int) -> Path:
 
 
 def _save_weights(trainer, final: Path, iteration: int) -> None:
-    from diffalign.export import save_trained_weights
-
     cfg = trainer.cfg
     save_trained_weights(trainer.adapter, final, lora=cfg.lora.enabled, metadata={
         "base_model": cfg.model.id, "family": trainer.adapter.family, "model_options": dict(cfg.model.options),

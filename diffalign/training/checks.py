@@ -1,5 +1,7 @@
-"""The on-policy self-check: before the first update the training forward *is* the sampling
-policy, so every log-ratio of a re-scored transition must be 0 (to a tolerance)."""
+"""Checks a run passes before it trains: every name and file of its config (:func:`check_config`,
+no model loads), its auxiliary judges trained (:func:`check_judges_trained`), and the on-policy
+self-check: before the first update the training forward *is* the sampling policy, so every
+log-ratio of a re-scored transition must be 0 (to a tolerance)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,45 @@ import math
 
 import torch
 
-from diffalign.errors import DiffalignError
+import reward_models
+from diffalign import recipes
+from diffalign.adapters import FAMILIES, model_family
+from diffalign.errors import ConfigError, DiffalignError
+from diffalign.prompts import resolve_probe_prompts, resolve_prompts
+from diffalign.training.tracking import check_trackers
+
+
+def check_config(cfg) -> None:
+    """Every name and file of a run config that ``train`` resolves, checked without loading a
+    model or building a reward (no weights): ``algorithm.name``, ``reward.name`` (and the rewards a
+    method builds by name besides it, e.g. SPO's ``algorithm.spm``), ``model.id`` /
+    ``model.family``, ``log.trackers`` (known and installed) and the prompts (``prompts.file``
+    readable, families known). One ConfigError naming the key. ``build_trainer`` calls it, and so
+    does ``diffalign config``. A hub id is checked when it loads (naming its family needs the hub)."""
+    recipes.check_algorithm_name(cfg.algorithm.name)
+    named_rewards = [("reward.name", cfg.reward.name, cfg.reward.kwargs), *cfg.algorithm.named_rewards()]
+    for key, name, kwargs in named_rewards:
+        try:
+            reward_models.check_name(name, kwargs)
+        except DiffalignError as exc:
+            raise ConfigError(f"config key '{key}': {exc}") from None
+    try:
+        model_family(cfg.model.id, cfg.model.family)
+    except DiffalignError as exc:
+        key = "model.family" if cfg.model.family not in ("auto", *FAMILIES) else "model.id"
+        raise ConfigError(f"config key '{key}': {exc}") from None
+    check_trackers(cfg.log.trackers)
+    resolve_prompts(cfg)
+    resolve_probe_prompts(cfg)
+
+
+def check_judges_trained(cfg, config_path: str) -> None:
+    """A method whose auxiliary judge is trained by another command (SPO's step-aware preference
+    model by ``train-spm``, Step-GRPO's DRM by ``train-reward``) and has not been trained yet: say
+    which command trains it, instead of failing later on a missing folder or a Hub lookup."""
+    message = cfg.algorithm.untrained_judge(cfg, config_path)
+    if message:
+        raise ConfigError(message)
 
 
 class SelfCheckError(DiffalignError):

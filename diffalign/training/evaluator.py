@@ -19,19 +19,17 @@ from typing import Sequence
 import torch
 
 from diffalign import runs
+from diffalign.evaluation import Evaluation, interval_record, shapes_records
 from diffalign.images import labelled_grid, sample_grid, save_png, short_prompt
+from diffalign.runs import eval_records_path
 from diffalign.sampling import sample_images
+from diffalign.shapes import evaluation_prompts
 
 GRID_PER_FAMILY = 8  # ShapesWorld grids: images per GenEval family (one row each)
 GRID_IMAGES = 16  # other image grids: the first 16 images (two rows), so a grid of large images stays small
 GRID_VIDEOS = 8  # video grids: one frame strip per row
 GRID_ROW = 8  # other image grids: images per row
 GRID_TILE_PX = 96  # every image of a labelled grid is shown this wide (ShapesWorld's 32 px: 3x, nearest)
-
-
-def eval_records_path(run_dir: Path, iteration: int) -> Path:
-    """Where the trainer keeps one evaluation's per-image records (``eval_records/iter-N.json``)."""
-    return Path(run_dir) / "eval_records" / f"iter-{iteration:06d}.json"
 
 
 def eval_items(cfg, prompts: Sequence[str]) -> list[str]:
@@ -41,8 +39,6 @@ def eval_items(cfg, prompts: Sequence[str]) -> list[str]:
     ``eval.num_prompts`` prompts, each ``eval.samples_per_prompt`` times."""
     e = cfg.eval
     if cfg.prompts.source == "shapes":
-        from diffalign.shapes import evaluation_prompts
-
         items = evaluation_prompts(prompts, e.images_per_family)
         return items[: e.num_prompts] if e.num_prompts else items
     prompts = list(prompts[: e.num_prompts]) if e.num_prompts else list(prompts)
@@ -136,8 +132,6 @@ def sample_eval(trainer, items: Sequence[str], what: str = "eval") -> torch.Tens
 
 
 def _run(trainer, iteration: int, *, save_grid: bool, probe: bool) -> dict:
-    from diffalign.evaluation import Evaluation, interval_record, shapes_records
-
     cfg, e = trainer.cfg, trainer.cfg.eval
     prompts = eval_items(cfg, trainer.eval_prompts)
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from diffalign.algorithms.flow_grpo import group_advantages
 from diffalign.sampling import sample_linear, sde_window_mask
 
 
@@ -33,30 +34,31 @@ class GroupRollout:
     schedule: torch.Tensor
 
 
-def plan_group_rollout(trainer, iteration: int, *, with_step_noise: bool = True) -> GroupRollout:
-    """Draw an iteration's prompts, SDE window and all of its noise from the trainer's shared
-    generator: every process draws the same global tensors and keeps its own slice, so that N
-    processes sample exactly what one process would. A sampler that
-    draws its step noise itself (DRM Step-GRPO's k candidates per step) passes
-    ``with_step_noise=False``."""
-    cfg, s = trainer.cfg, trainer.cfg.sampling
-    world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
+def plan_group_rollout(cfg, iteration: int, *, adapter, prompt_sampler, generator: torch.Generator, resolution: int,
+                       world: int = 1, rank: int = 0, with_step_noise: bool = True) -> GroupRollout:
+    """Draw an iteration's prompts (``prompt_sampler``), SDE window and all of its noise from the
+    shared ``generator``: every one of the ``world`` processes draws the same global tensors and
+    keeps the slice of its ``rank``, so that N processes sample exactly what one process would.
+    ``cfg``: the run config (its ``rollout`` and ``sampling`` sections); ``adapter`` encodes the
+    prompts and gives the latent shape and schedule at ``resolution``. A sampler that draws its
+    step noise itself (DRM Step-GRPO's k candidates per step) passes ``with_step_noise=False``."""
+    s = cfg.sampling
     per_proc, group = cfg.rollout.prompts_per_iteration, cfg.rollout.group_size
-    all_prompts = trainer.prompt_sampler.next(per_proc * world)  # identical on every process
+    all_prompts = prompt_sampler.next(per_proc * world)  # identical on every process
     prompts = all_prompts[rank * per_proc : (rank + 1) * per_proc]
     sample_prompts = [p for p in prompts for _ in range(group)]
     n_local, n_global = len(sample_prompts), len(all_prompts) * group
     local = slice(rank * n_local, (rank + 1) * n_local)
     sde_mask = sde_window_mask(s.num_steps, s.window_size, mode=s.window_mode, start=s.window_start, iteration=iteration,
-                               slide_every=s.window_slide_every, stride=s.window_stride, generator=trainer.generator)
-    latent = trainer.adapter.latent_shape(trainer.resolution, trainer.resolution)
+                               slide_every=s.window_slide_every, stride=s.window_stride, generator=generator)
+    latent = adapter.latent_shape(resolution, resolution)
     if cfg.rollout.shared_noise:  # one initial noise per group, repeated for its images
-        noise = torch.randn((n_global // group, *latent), generator=trainer.generator).repeat_interleave(group, dim=0)[local]
+        noise = torch.randn((n_global // group, *latent), generator=generator).repeat_interleave(group, dim=0)[local]
     else:
-        noise = torch.randn((n_global, *latent), generator=trainer.generator)[local]
-    step_noise = torch.randn((n_global, s.num_steps, *latent), generator=trainer.generator)[local] if with_step_noise else None
-    embeds = trainer.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
-    schedule = trainer.adapter.make_schedule(s.num_steps, trainer.resolution, trainer.resolution)
+        noise = torch.randn((n_global, *latent), generator=generator)[local]
+    step_noise = torch.randn((n_global, s.num_steps, *latent), generator=generator)[local] if with_step_noise else None
+    embeds = adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
+    schedule = adapter.make_schedule(s.num_steps, resolution, resolution)
     return GroupRollout(prompts, sample_prompts, n_local, n_global, rank * n_local, sde_mask, noise, step_noise, embeds, schedule)
 
 
@@ -106,8 +108,6 @@ def gathered_group_advantages(trainer, rewards: torch.Tensor, n_global: int, ite
     """Check this process's rewards, gather every process's (sample order), and compute the group
     advantages of :func:`diffalign.algorithms.flow_grpo.group_advantages`. Returns the advantages
     and the iteration's reward and advantage statistics."""
-    from diffalign.algorithms.flow_grpo import group_advantages
-
     rewards = trainer.check_rewards(rewards, iteration)
     all_rewards = trainer.accelerator.gather(rewards.to(trainer.device)).cpu()  # (n_global,) in sample order
     group_ids = torch.arange(n_global) // trainer.cfg.rollout.group_size

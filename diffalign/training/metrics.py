@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from diffalign.evaluation import is_bound_key
+
 
 def mean_stats(accelerator, device, stats: dict[str, list[float]]) -> dict[str, float]:
     """Per-key means of an update's micro-batch statistics over every process (NaN for a key
@@ -53,8 +55,6 @@ def header_lines(trainer) -> list[str]:
 
 def format_eval(record: dict) -> str:
     """``reward_mean 0.412, acc/overall 0.198 [0.158, 0.243], ...`` (probe metrics last)."""
-    from diffalign.evaluation import is_bound_key
-
     skip = ("eval/seconds", "eval/num_images", "eval/probe/num_images", "eval/frames")
     keys = [k for k in record if k.startswith("eval/") and k not in skip and not is_bound_key(k)
             and isinstance(record[k], (int, float))]

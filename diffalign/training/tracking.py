@@ -25,10 +25,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from diffalign.config import TRACKER_MODULES
 from diffalign.errors import ConfigError
+from diffalign.evaluation import is_bound_key
 
-#: tracker name -> the module it needs (accelerate's name for each, as in ``log_with``)
-TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard/<run_name>: `tensorboard --logdir RUN_DIR/tensorboard`
 
 
@@ -118,8 +118,6 @@ class Tracking:
         step = int(record.get("iteration", 0))
         self.log(record, step)
         if record.get("eval"):
-            from diffalign.evaluation import is_bound_key
-
             rows = [[k[5:], float(v), record.get(f"{k}_lo"), record.get(f"{k}_hi")] for k, v in record.items()
                     if k.startswith("eval/") and isinstance(v, (int, float)) and not is_bound_key(k)]
             self.log_table("eval/table", ["metric", "value", "lo", "hi"], rows, step)

@@ -32,6 +32,12 @@ def tiny_adapters(families: list[str]):
     return adapter
 
 
+@pytest.fixture(scope="module")
+def sd3():
+    """The tiny SD3 adapter (random weights), one per test module."""
+    return load_adapter("tiny:sd3")
+
+
 def times(adapter, num_steps: int = 4) -> torch.Tensor:
     """Two different, valid, non-final times from the adapter's own schedule."""
     return adapter.make_schedule(num_steps, PX, PX)[[0, 2]]

@@ -16,13 +16,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.tiny_run import FAST
+
 # momentum: an optimizer state that checkpoints must carry
 COMPARABLE = ["optim.name=sgd", "optim.momentum=0.9", "reward.name=brightness", "reward.kwargs={}"]
 LORA = "final/pytorch_lora_weights.safetensors"
+REL = 1e-3  # largest weight difference from the one-process run allowed, in units of the update
 
 # the other recipes' comparisons (tests/test_distributed.py, tests/test_fsdp.py): two iterations, no evaluations, no checkpoints
-FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "train.ema.enabled=false",
-        "max_iterations=2", "eval.every=0", "checkpoint.every=0", *COMPARABLE, "--overwrite"]
+SHORT_RUN = [*FAST, "train.ema.enabled=false", "max_iterations=2", "eval.every=0", "checkpoint.every=0", *COMPARABLE, "--overwrite"]
 # (config, overrides for both, one process, two processes): the same global batch either way
 SPLIT_PROMPTS = (["rollout.prompts_per_iteration=2"], ["rollout.prompts_per_iteration=1"])  # two prompts, one per process
 OTHER_ALGORITHMS = {

@@ -3,6 +3,7 @@ export and demo tests so that the ~10 s of training happen once."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -17,19 +18,27 @@ OVERRIDES = [
 ]
 # what a test run does not need: progress bars, the report, the evaluation before training, long eval sampling
 FAST = ["log.progress_bar=false", "log.report=false", "eval.at_start=false", "sampling.eval_num_steps=2", "eval.samples_per_prompt=1"]
+# FAST, evaluating on one prompt only
+FAST_ONE_PROMPT = [*FAST, "eval.num_prompts=1"]
 _cache: dict[str, Path] = {}
 
 
-def run_cli(*args: str) -> int:
-    """``diffalign ARGS`` from the repository root (configs are given relative to it); the exit code."""
+def run_cli(*args) -> int:
+    """``diffalign ARGS`` from the repository root (configs are given relative to it); the exit code.
+    Arguments that are not strings (paths, numbers) are passed as ``str(arg)``."""
     from diffalign.cli import main
 
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        return main(list(args))
+        return main([str(a) for a in args])
     finally:
         os.chdir(cwd)
+
+
+def train_records(out: Path) -> list[dict]:
+    """The training (non-evaluation) records of run directory ``out``'s metrics.jsonl."""
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
 
 
 def trained_run(tmp_path_factory) -> Path:

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ModelLoadError
+from ._tiny import QWEN_LATENTS_MEAN, QWEN_LATENTS_STD, tiny_decoder_config, tiny_qwen2_tokenizer
 from ._util import denormalize_latents, module_dtype, pipeline_sigmas, scheduler_sigmas, shift_mu, to_unit_range
 from .base import PromptEmbeds
 from .flux import PackedFlowAdapter, pack_latents, unpack_latents
@@ -85,7 +86,6 @@ class QwenImageAdapter(PackedFlowAdapter):
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-        from ._tiny import QWEN_LATENTS_MEAN, QWEN_LATENTS_STD, tiny_decoder_config, tiny_qwen2_tokenizer
 
         kwargs.setdefault("max_sequence_length", 16)
         torch.manual_seed(seed)

@@ -43,6 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from diffalign.errors import DiffalignError
+from diffalign.shapes import vocabulary as shapes_vocabulary
+from reward_models.clip_score import ClipImageTransform
 from reward_models.loading import first_line, looks_like_path
 
 SPM_CONFIG_FILE = "spm_config.json"  # {"kind": "shapes" | "clip", ...constructor arguments}
@@ -158,8 +160,6 @@ class ShapesSPM(StepAwarePreferenceModel):
                  image_size: int = 32, max_words: int = 16):
         super().__init__()
         if vocabulary is None:
-            from diffalign.shapes import vocabulary as shapes_vocabulary
-
             vocabulary = shapes_vocabulary()
         self.vocabulary = list(vocabulary)
         self.word_ids = {w: i + 2 for i, w in enumerate(self.vocabulary)}  # 0 = padding, 1 = unknown
@@ -253,7 +253,6 @@ class ClipSPM(StepAwarePreferenceModel):
 
     def __init__(self, clip_model: nn.Module, tokenizer: Any, processor_config: Optional[dict] = None, frequency_dim: int = 256):
         super().__init__()
-        from reward_models.clip_score import ClipImageTransform
 
         self.clip = clip_model
         self.tokenizer = tokenizer

@@ -34,10 +34,20 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from diffalign import runs
-from diffalign.config import check, ModelConfig, PromptsConfig, RewardConfig
+import reward_models
+from diffalign import progress, progress as progress_bars, runs
+from diffalign.adapters import load_adapter
+from diffalign.adapters.base import DTYPES
+from diffalign.algorithms.spo import pair_accuracy, spm_pair_loss
+from diffalign.config import ModelConfig, PromptsConfig, RewardConfig, check
 from diffalign.config_files import apply_overrides, dump_config, from_dict, read_yaml
 from diffalign.errors import ConfigError
+from diffalign.forward_process import add_noise, encode_images, model_time
+from diffalign.images import resize
+from diffalign.pairs import PairSet, generate_pairs, read_pairs, write_pairs
+from diffalign.prompts import resolve_prompts
+from diffalign.sampling.linear import SampleSpec
+from diffalign.spm.model import build_spm
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -169,8 +179,6 @@ def predict_x0_images(adapter, images: torch.Tensor, prompts: list[str], tau: to
                       guidance_scale: float) -> torch.Tensor:
     """Decoded x0 predictions ``(B, 3, H, W)`` in [0, 1] of ``images`` noised to ``tau`` with ``noise``
     (``tau == 0`` rows are returned as they are: the clean image)."""
-    from diffalign.forward_process import add_noise, encode_images, model_time
-
     x0 = encode_images(adapter, images)
     t = model_time(adapter, tau).to(x0.device)
     x_t = add_noise(adapter, x0, noise.to(x0.device), t)
@@ -188,9 +196,6 @@ def noised_pair_views(adapter, pairs, index: torch.Tensor, tau: torch.Tensor, no
     """x0-prediction images of both images of pairs ``index`` at noise levels ``tau`` (one per pair),
     the two images of a pair with the **same** noise. Returns two uint8 ``(B, 3, H, W)`` tensors.
     ``progress``: a bar with this description (:mod:`diffalign.progress`)."""
-    from diffalign import progress as progress_bars
-    from diffalign.pairs import PairSet
-
     latent = adapter.latent_shape(pairs.images_0.shape[-2], pairs.images_0.shape[-1])
     out0, out1 = [], []
     half = max(1, batch_size // 2)
@@ -214,9 +219,6 @@ def noised_pair_views(adapter, pairs, index: torch.Tensor, tau: torch.Tensor, no
 def accuracy_at(spm, adapter, pairs, tau_value: float, *, seed: int, guidance_scale: float, batch_size: int,
                 views: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[float, int]:
     """(pairwise accuracy, number of decided pairs) of ``spm`` on ``pairs`` noised to one noise level."""
-    from diffalign.algorithms.spo import pair_accuracy
-    from diffalign.pairs import PairSet
-
     idx = torch.arange(len(pairs))
     if views is None:
         tau = torch.full((len(pairs),), float(tau_value))
@@ -281,15 +283,6 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
     """Train an SPM (see the module docstring); returns a summary dict (also in ``accuracy_vs_t.json``)."""
     import json
 
-    import reward_models
-    from diffalign.adapters import load_adapter
-    from diffalign.algorithms.spo import pair_accuracy, spm_pair_loss
-    from diffalign.pairs import PairSet, generate_pairs, read_pairs, write_pairs
-    from diffalign.sampling.linear import SampleSpec
-    from diffalign.spo.model import build_spm
-    from diffalign.adapters.base import DTYPES
-    from diffalign import progress
-    from diffalign.prompts import resolve_prompts
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(cfg.output_dir)
@@ -329,8 +322,6 @@ def train_spm(cfg: SPMTrainConfig, *, overwrite: bool = False, log: Optional[Cal
         log(f"train-spm: {generation['pairs']} pairs ({generation['ties']} ties) from {generation['images']} images, "
             f"mean reward {generation['reward_mean']:.3f}; written to {out / 'pairs'}")
     if pairs.images_0.shape[-1] != resolution or pairs.images_0.shape[-2] != resolution:
-        from diffalign.images import resize
-
         pairs = PairSet(resize(pairs.images_0, resolution), resize(pairs.images_1, resolution), pairs.prompts, pairs.label_0)
     train_set, held = pairs.split(cfg.pairs.heldout_fraction, seed=cfg.seed)
     if len(train_set) == 0:
