@@ -268,9 +268,20 @@ class Trainer:
         return contextlib.nullcontext()
 
     # ---- evaluation, state, export ----------------------------------------------------------
+    def eval_setup(self) -> evaluator.EvalSetup:
+        """What :func:`~diffalign.training.evaluator.evaluate` reads from this run."""
+        cfg = self.cfg
+        return evaluator.EvalSetup(
+            adapter=self.adapter, eval=cfg.eval, shapes=cfg.prompts.source == "shapes",
+            num_steps=cfg.sampling.eval_num_steps, guidance_scale=cfg.sampling.guidance_scale,
+            resolution=self.resolution, eval_prompts=self.eval_prompts, probe_prompts=self.probe_prompts,
+            score=self.score, eval_weights=self.eval_weights, autocast=self.autocast, run_dir=self.run_dir,
+            accelerator=self.accelerator, sharded=self.sharded, progress_bar=cfg.log.progress_bar,
+            log_image=self.tracking.log_image)
+
     def evaluate(self, iteration: int, *, save_grid: bool = True, probe: bool = False) -> dict:
         """See :func:`diffalign.training.evaluator.evaluate`."""
-        return evaluator.evaluate(self, iteration, save_grid=save_grid, probe=probe)
+        return evaluator.evaluate(self.eval_setup(), iteration, save_grid=save_grid, probe=probe)
 
     def extra_state(self) -> dict:
         """Algorithm-specific state to checkpoint (override, with :meth:`load_extra_state`)."""

@@ -186,8 +186,6 @@ def test_grid_rows_spread_over_distinct_prompts_then_other_seeds():
 
 
 def test_shapes_grid_draws_every_family_with_pass_and_fail_labels(tmp_path):
-    from types import SimpleNamespace
-
     import numpy as np
     import torch
     from PIL import Image
@@ -199,8 +197,7 @@ def test_shapes_grid_draws_every_family_with_pass_and_fail_labels(tmp_path):
     prompts = evaluation_prompts(split_prompts().evaluation(), 10)  # 10 images per family, family after family
     records = [{"prompt": p, "family": prompt_family(p), "passed": i % 3 == 0, "score": 0.0} for i, p in enumerate(prompts)]
     images = torch.zeros(len(prompts), 3, 8, 8)
-    trainer = SimpleNamespace(run_dir=tmp_path)
-    _save_grid(trainer, 0, images, prompts, torch.zeros(len(prompts)), records)
+    _save_grid(tmp_path, 0, images, prompts, torch.zeros(len(prompts)), records)
     shown = (tmp_path / "samples" / "eval-prompts.txt").read_text().splitlines()
     assert [prompt_family(p) for p in shown] == [f for f in FAMILIES for _ in range(GRID_PER_FAMILY)]
     path = tmp_path / "samples" / "eval-iter-000000.png"
@@ -209,7 +206,7 @@ def test_shapes_grid_draws_every_family_with_pass_and_fail_labels(tmp_path):
         assert (pixels == colour).all(axis=1).any()
     assert path.stat().st_size < 300_000
     # another reward: the first images, labelled with their reward
-    _save_grid(trainer, 1, images[:3], prompts[:3], torch.tensor([0.1, 0.2, 0.3]), None)
+    _save_grid(tmp_path, 1, images[:3], prompts[:3], torch.tensor([0.1, 0.2, 0.3]), None)
     assert (tmp_path / "samples" / "eval-prompts.txt").read_text().splitlines() == prompts[:3]
 
 

@@ -148,5 +148,5 @@ def test_stats_of_one_process_are_plain_means(accelerator):
 
 def test_eval_items_repeat_list_prompts():
     cfg = load_config(SD3, ["eval.num_prompts=1", "eval.samples_per_prompt=2"])
-    assert eval_items(cfg, ["a cat", "a dog"]) == ["a cat", "a cat"]
+    assert eval_items(cfg.eval, ["a cat", "a dog"], shapes=False) == ["a cat", "a cat"]
 

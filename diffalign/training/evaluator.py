@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
 from diffalign import runs
+from diffalign.adapters import ModelAdapter
+from diffalign.config import EvalConfig
 from diffalign.evaluation import Evaluation, interval_record, shapes_records
 from diffalign.images import labelled_grid, sample_grid, save_png, short_prompt
 from diffalign.runs import eval_records_path
@@ -32,31 +35,55 @@ GRID_ROW = 8  # other image grids: images per row
 GRID_TILE_PX = 96  # every image of a labelled grid is shown this wide (ShapesWorld's 32 px: 3x, nearest)
 
 
-def eval_items(cfg, prompts: Sequence[str]) -> list[str]:
-    """The evaluation's prompt list (one entry per image). ShapesWorld prompts:
+@dataclass(frozen=True)
+class EvalSetup:
+    """What an evaluation reads from a run, and nothing more: the model and its sampler settings,
+    the prompts, the reward, where the records go and the process layout. The trainer makes one
+    (:meth:`diffalign.trainer.Trainer.eval_setup`)."""
+
+    adapter: ModelAdapter
+    eval: EvalConfig  # the run's ``eval`` section: seed, batch size, images per family, ...
+    shapes: bool  # ShapesWorld prompts (prompts.source: shapes): per-image ShapesEval records and family grids
+    num_steps: int  # sampling.eval_num_steps
+    guidance_scale: float  # sampling.guidance_scale
+    resolution: Any  # the images' size, as the adapter takes it
+    eval_prompts: Sequence[str]
+    probe_prompts: Sequence[str]  # the generalisation probe's prompts (empty: none)
+    # (images, prompts) -> (rewards (B,), info): the run's reward with its retries and checks
+    score: Callable[[torch.Tensor, list[str]], tuple[torch.Tensor, dict]]
+    eval_weights: Callable[[], ContextManager]  # context: the weights to evaluate (EMA when configured)
+    autocast: Callable[[], ContextManager]  # context: the forwards' precision
+    run_dir: Path
+    accelerator: Any  # accelerate.Accelerator: which process writes, and when processes wait
+    sharded: bool  # ZeRO-3 / FSDP: every process takes part in every forward
+    progress_bar: bool = False
+    log_image: Optional[Callable[[str, Path, int], None]] = None  # (tag, png path, iteration) to the trackers
+
+
+def eval_items(e: EvalConfig, prompts: Sequence[str], *, shapes: bool) -> list[str]:
+    """The evaluation's prompt list (one entry per image). ShapesWorld prompts (``shapes``):
     ``eval.images_per_family`` per family (:func:`diffalign.shapes.evaluation_prompts`), cut to
     the first ``eval.num_prompts`` entries when set; other sources: the first
     ``eval.num_prompts`` prompts, each ``eval.samples_per_prompt`` times."""
-    e = cfg.eval
-    if cfg.prompts.source == "shapes":
+    if shapes:
         items = evaluation_prompts(prompts, e.images_per_family)
         return items[: e.num_prompts] if e.num_prompts else items
     prompts = list(prompts[: e.num_prompts]) if e.num_prompts else list(prompts)
     return [p for p in prompts for _ in range(e.samples_per_prompt)]
 
 
-def evaluate(trainer, iteration: int, *, save_grid: bool = True, probe: bool = False) -> dict:
+def evaluate(setup: EvalSetup, iteration: int, *, save_grid: bool = True, probe: bool = False) -> dict:
     """Sample the eval prompts with fixed seeds (ODE) and score them; the record on the main
     process, {} on the others. ``probe``: also evaluate the generalisation probe."""
-    acc = trainer.accelerator
-    if trainer.sharded:  # sharded forwards: every process samples the same images
-        record = _run(trainer, iteration, save_grid=save_grid, probe=probe)
+    acc = setup.accelerator
+    if setup.sharded:  # sharded forwards: every process samples the same images
+        record = _run(setup, iteration, save_grid=save_grid, probe=probe)
         acc.wait_for_everyone()
         return record if acc.is_main_process else {}
     if not acc.is_main_process:
         acc.wait_for_everyone()
         return {}
-    record = _run(trainer, iteration, save_grid=save_grid, probe=probe)
+    record = _run(setup, iteration, save_grid=save_grid, probe=probe)
     if acc.num_processes > 1:
         acc.wait_for_everyone()
     return record
@@ -85,12 +112,13 @@ def grid_rows(families: Sequence[str], prompts: Sequence[str], per_family: int =
     return rows
 
 
-def _save_grid(trainer, iteration: int, images: torch.Tensor, prompts: Sequence[str], rewards: torch.Tensor,
-               records: Sequence[dict] | None) -> dict:
+def _save_grid(run_dir: Path, iteration: int, images: torch.Tensor, prompts: Sequence[str], rewards: torch.Tensor,
+               records: Sequence[dict] | None, log_image: Optional[Callable[[str, Path, int], None]] = None) -> dict:
     """Write ``samples/eval-iter-N.png`` and ``samples/eval-prompts.txt`` (the grid's prompts in
-    grid order); ``records``: the ShapesEval records of ``images`` (a grid by family), else None."""
+    grid order); ``records``: the ShapesEval records of ``images`` (a grid by family), else None.
+    ``log_image``: also send the grid to the trackers."""
     out: dict = {}
-    samples = trainer.run_dir / "samples"
+    samples = run_dir / "samples"
     grid = samples / f"eval-iter-{iteration:06d}.png"
     if images.ndim == 5:
         out["eval/frames"] = images.shape[1]  # tells the report the grid holds frame strips
@@ -111,61 +139,61 @@ def _save_grid(trainer, iteration: int, images: torch.Tensor, prompts: Sequence[
         index = list(range(min(len(images), GRID_IMAGES)))
         labels = [f"reward {float(rewards[i]):.3f}: {short_prompt(prompts[i])}" for i in index]
         save_png(labelled_grid(images[index], labels, nrow=GRID_ROW, tile=GRID_TILE_PX), grid)
-    if getattr(trainer, "tracking", None) is not None:  # a bare trainer (tests) has none
-        trainer.tracking.log_image("eval/samples", grid, iteration)
+    if log_image is not None:
+        log_image("eval/samples", grid, iteration)
     runs.atomic_write_text(samples / "eval-prompts.txt", "".join(prompts[i] + "\n" for i in index))
     return out
 
 
-def sample_eval(trainer, items: Sequence[str], what: str = "eval") -> torch.Tensor:
+def sample_eval(setup: EvalSetup, items: Sequence[str], what: str = "eval") -> torch.Tensor:
     """The images of ``items``: eval weights (EMA when configured), the eval sampler and seed.
     ``what`` names the progress bar (main process only)."""
-    cfg = trainer.cfg
-    trainer.adapter.denoiser.eval()
-    show = cfg.log.progress_bar and trainer.accelerator.is_main_process
-    with trainer.eval_weights():
-        with trainer.autocast():
-            return sample_images(trainer.adapter, list(items), num_steps=cfg.sampling.eval_num_steps,
-                                 guidance_scale=cfg.sampling.guidance_scale, resolution=trainer.resolution,
-                                 seed=cfg.eval.seed, batch_size=cfg.eval.batch_size,
+    setup.adapter.denoiser.eval()
+    show = setup.progress_bar and setup.accelerator.is_main_process
+    with setup.eval_weights():
+        with setup.autocast():
+            return sample_images(setup.adapter, list(items), num_steps=setup.num_steps,
+                                 guidance_scale=setup.guidance_scale, resolution=setup.resolution,
+                                 seed=setup.eval.seed, batch_size=setup.eval.batch_size,
                                  progress=f"{what}: {len(items)} images" if show else None)
 
 
-def _run(trainer, iteration: int, *, save_grid: bool, probe: bool) -> dict:
-    cfg, e = trainer.cfg, trainer.cfg.eval
-    prompts = eval_items(cfg, trainer.eval_prompts)
+def _run(setup: EvalSetup, iteration: int, *, save_grid: bool, probe: bool) -> dict:
+    e = setup.eval
+    prompts = eval_items(e, setup.eval_prompts, shapes=setup.shapes)
     t0 = time.perf_counter()
-    images = sample_eval(trainer, prompts, f"eval (iteration {iteration})")
-    rewards, info = trainer.score(images, prompts)
+    images = sample_eval(setup, prompts, f"eval (iteration {iteration})")
+    rewards, info = setup.score(images, prompts)
     record = {"iteration": iteration, "eval": True, "eval/reward_mean": float(rewards[torch.isfinite(rewards)].mean()),
               "eval/num_images": len(prompts)}
     record.update({f"eval/{k}": v for k, v in info.items()})
-    main = trainer.accelerator.is_main_process
+    main = setup.accelerator.is_main_process
     heldout = None
-    if cfg.prompts.source == "shapes":
+    if setup.shapes:
         # Per-image ShapesEval records whatever the training reward: intervals, paired differences.
-        meta = {"num_steps": cfg.sampling.eval_num_steps, "guidance_scale": cfg.sampling.guidance_scale,
-                "resolution": trainer.resolution, "seed": e.seed, "batch_size": e.batch_size,
+        meta = {"num_steps": setup.num_steps, "guidance_scale": setup.guidance_scale,
+                "resolution": setup.resolution, "seed": e.seed, "batch_size": e.batch_size,
                 "images_per_family": e.images_per_family, "num_prompts": e.num_prompts}
         heldout = Evaluation.from_records(shapes_records(images, prompts), meta={**meta, "num_images": len(prompts)})
         record.update(interval_record(heldout.intervals, "eval/"))
         saved = {"iteration": iteration, "heldout": heldout.to_json()}
-        if probe and trainer.probe_prompts:
-            items = eval_items(cfg, trainer.probe_prompts)
-            probe_eval = Evaluation.from_records(shapes_records(sample_eval(trainer, items, f"probe (iteration {iteration})"), items),
+        if probe and setup.probe_prompts:
+            items = eval_items(e, setup.probe_prompts, shapes=True)
+            probe_eval = Evaluation.from_records(shapes_records(sample_eval(setup, items, f"probe (iteration {iteration})"), items),
                                                  meta={**meta, "num_images": len(items)})
             record.update(interval_record(probe_eval.intervals, "eval/probe/"))
             record["eval/probe/num_images"] = len(items)
             saved["probe"] = probe_eval.to_json()
     else:
         # Per-image rewards (None where not finite), so that the report can pair two evaluations.
-        saved = {"iteration": iteration, "rewards": {"prompts": list(prompts), "guidance_scale": cfg.sampling.guidance_scale,
+        saved = {"iteration": iteration, "rewards": {"prompts": list(prompts), "guidance_scale": setup.guidance_scale,
                                                      "values": [float(r) if torch.isfinite(r) else None for r in rewards]}}
     if main:
-        path = eval_records_path(trainer.run_dir, iteration)
+        path = eval_records_path(setup.run_dir, iteration)
         path.parent.mkdir(parents=True, exist_ok=True)
         runs.atomic_write_text(path, json.dumps(saved))
     record["eval/seconds"] = time.perf_counter() - t0
     if save_grid and main:
-        record.update(_save_grid(trainer, iteration, images, prompts, rewards, heldout.records if heldout else None))
+        record.update(_save_grid(setup.run_dir, iteration, images, prompts, rewards, heldout.records if heldout else None,
+                                 setup.log_image))
     return record
