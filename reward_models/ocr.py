@@ -92,12 +92,15 @@ class TesseractReader:
 
 
 def _find_tessdata(lang: str, tessdata: str | None) -> str:
+    if not isinstance(lang, str) or not lang:
+        raise RewardError(f"ocr: lang must be a Tesseract language such as 'eng', got {lang!r}")
     candidates = [tessdata] if tessdata else [os.environ.get("TESSDATA_PREFIX"), *TESSDATA_DIRS]
+    files = [f"{part}.traineddata" for part in lang.split("+")]  # "eng+deu": both models
     for folder in filter(None, candidates):
-        if (Path(folder) / f"{lang}.traineddata").is_file():
+        if all((Path(folder) / file).is_file() for file in files):
             return str(folder)
     where = f"tessdata={tessdata!r}" if tessdata else "TESSDATA_PREFIX or " + ", ".join(TESSDATA_DIRS)
-    raise RewardError(f"ocr: no {lang}.traineddata in {where} ({INSTALL_HINT})")
+    raise RewardError(f"ocr: no {' and '.join(files)} in {where} ({INSTALL_HINT})")
 
 
 @register("ocr")

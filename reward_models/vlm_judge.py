@@ -10,7 +10,7 @@ One request per image, ``concurrency`` of them in flight::
                   {"role": "user", "content": [
                       {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
                       {"type": "text", "text": "<prompt_template with {prompt} filled in>"}]}],
-     ...request_kwargs}                                           # e.g. vLLM's guided_choice
+     ...request_kwargs}                                           # seed, top_p, a server's own fields
 
 Scores, in ``[0, 1]``:
 

@@ -80,6 +80,8 @@ def test_reader_errors_are_named():
     pytest.importorskip("tesserocr")
     with pytest.raises(RewardError, match="ocr: no eng.traineddata in tessdata='/nonexistent'"):
         reward_models.build("ocr", tessdata="/nonexistent")
+    with pytest.raises(RewardError, match="ocr: no eng.traineddata and zzz.traineddata in"):
+        reward_models.build("ocr", lang="eng+zzz")
     with pytest.raises(RewardError, match="page_segmentation_mode must be"):
         reward_models.build("ocr", page_segmentation_mode=20)
     assert "ocr" in reward_models.available()
