@@ -14,7 +14,7 @@ One request per image, ``concurrency`` of them in flight::
 
 Scores, in ``[0, 1]``:
 
-- ``mode: yes_no``: ``P(Yes)`` at the first answer token, the sum of ``exp(logprob)`` over the
+- ``mode: yes_no``: ``P(Yes)`` at the first answer token that holds a letter, the sum of ``exp(logprob)`` over the
   ``top_logprobs`` entries that read "yes" in any case and spacing (a "yes" outside the top k counts
   as 0, as in VQAScore's ``P("Yes" | image, question)``). A server that returns no logprobs gets
   the answer text read instead: 1 if its first word is "yes", 0 if "no".
@@ -180,7 +180,7 @@ class VlmJudge:
         if self.mode == "score":
             return self._numeric_score(answer, index)
         if logprobs:
-            return yes_probability(logprobs[0])
+            return yes_probability(answer_token(logprobs))
         return self._yes_no_from_text(answer, index)
 
     def _count_retry(self) -> None:
@@ -213,6 +213,15 @@ class VlmJudge:
         if first in ("yes", "no"):
             return 1.0 if first == "yes" else 0.0
         raise RewardError(f"vlm_judge: answer {index} is neither yes nor no: {_excerpt(answer)!r}")
+
+
+def answer_token(content: list[dict]) -> dict:
+    """The logprob entry of the first answer token holding a letter: "Yes" in "**Yes**" or " Yes"
+    (the first token when none does)."""
+    for entry in content:
+        if isinstance(entry, dict) and re.search(r"[A-Za-z]", str(entry.get("token", ""))):
+            return entry
+    return content[0]
 
 
 def yes_probability(entry: dict) -> float:

@@ -25,7 +25,7 @@ import torch
 
 import reward_models
 from diffalign.errors import RewardError
-from reward_models.vlm_judge import yes_probability
+from reward_models.vlm_judge import answer_token, yes_probability
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -99,7 +99,7 @@ def test_yes_probability_from_logprobs_matches_the_servers_answer(server):
     request = urllib.request.Request(judge.url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as response:
         answer = json.loads(response.read())
-    first = answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    first = answer_token(answer["choices"][0]["logprobs"]["content"])["top_logprobs"]
     assert len(first) == len(TINY_VOCAB) and abs(sum(math.exp(t["logprob"]) for t in first) - 1) < 1e-4
     expected = sum(math.exp(t["logprob"]) for t in first if t["token"] == "Yes")
     assert scores[2].item() == pytest.approx(expected, rel=1e-5)
@@ -178,6 +178,9 @@ def test_yes_probability_sums_yes_spellings_and_keeps_nan():
     assert yes_probability(entry) == pytest.approx(0.7)
     assert yes_probability({"token": "No", "logprob": -0.1, "top_logprobs": []}) == 0.0
     assert math.isnan(yes_probability({"token": "Yes", "logprob": float("nan")}))  # counted by the trainer
+    markup = {"token": "**", "logprob": -0.1}
+    assert answer_token([markup, entry, markup]) is entry  # "**Yes**": the word, not the markup
+    assert answer_token([markup]) is markup
 
 
 def test_api_key_comes_from_the_environment(monkeypatch):
