@@ -14,6 +14,8 @@ _MODULES = [
     "reward_models.aesthetic",
     "reward_models.hpsv2",
     "reward_models.remote",
+    "reward_models.vlm_judge",
+    "reward_models.ocr",
     "reward_models.drm",
     "reward_models.spm",
     "reward_models.video",

@@ -35,7 +35,8 @@ import math
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -48,13 +49,19 @@ RETRY_STATUS = frozenset({429, 500, 502, 503, 504})  # overloaded or restarting 
 _BODY_EXCERPT = 200  # characters of an error body quoted in messages
 
 
-def encode_png(image: torch.Tensor) -> str:
-    """``(3, H, W)`` in [0, 1] -> base64 of an 8-bit RGB PNG."""
+def encode_png(image: torch.Tensor, max_size: int | None = None) -> str:
+    """``(3, H, W)`` in [0, 1] -> base64 of an 8-bit RGB PNG; with ``max_size``, an image whose longer
+    side exceeds it is first shrunk (bicubic, aspect ratio kept) to that many pixels."""
     from PIL import Image
 
     pixels = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    picture = Image.fromarray(pixels, mode="RGB")
+    if max_size is not None and max(picture.size) > max_size:
+        scale = max_size / max(picture.size)
+        size = (max(1, round(picture.width * scale)), max(1, round(picture.height * scale)))
+        picture = picture.resize(size, Image.Resampling.BICUBIC)
     buffer = io.BytesIO()
-    Image.fromarray(pixels, mode="RGB").save(buffer, format="PNG")
+    picture.save(buffer, format="PNG")
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -62,6 +69,64 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
         return value.tolist()
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How an HTTP reward client waits: ``timeout`` seconds for connecting and for each read,
+    ``retries`` extra attempts after a transient failure, waits ``backoff * 2**k`` capped at ``max_backoff``."""
+
+    timeout: float = 60.0
+    retries: int = 3
+    backoff: float = 1.0
+    max_backoff: float = 30.0
+
+    @classmethod
+    def checked(cls, name: str, timeout: float, retries: int, backoff: float, max_backoff: float) -> "RetryPolicy":
+        """The policy from a reward's keyword arguments; a RewardError naming ``name`` and the field."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise RewardError(f"{name}: timeout must be positive, got {timeout!r}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise RewardError(f"{name}: retries must be a non-negative integer, got {retries!r}")
+        return cls(float(timeout), retries, max(0.0, float(backoff)), max(0.0, float(max_backoff)))
+
+
+def check_url(name: str, field: str, url: Any) -> None:
+    """A RewardError naming ``name`` and ``field`` unless ``url`` is an http(s) URL."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise RewardError(f"{name}: {field} must start with http:// or https://, got {url!r}")
+
+
+def post_with_retries(url: str, body: bytes, headers: dict[str, str], policy: RetryPolicy, label: str,
+                      on_retry: Callable[[], None] | None = None) -> bytes:
+    """POST ``body`` to ``url``; the answer's body. Connection errors, timeouts, 5xx and 429 are retried
+    as ``policy`` says (``on_retry()`` is called before each retry); other HTTP errors raise at once.
+    Every failure is a one-line RewardError starting with ``label``. Safe to call from several threads."""
+    attempts = policy.retries + 1
+    for attempt in range(attempts):
+        try:
+            request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+            with urllib.request.urlopen(request, timeout=policy.timeout) as response:
+                return response.read()
+        except urllib.error.HTTPError as exc:  # the server answered with an error status
+            excerpt = exc.read(_BODY_EXCERPT).decode("utf-8", "replace").replace("\n", " ").strip()
+            reason = f"HTTP {exc.code} {exc.reason}" + (f": {excerpt}" if excerpt else "")
+            if exc.code not in RETRY_STATUS:
+                raise RewardError(f"{label}: {reason}") from None
+        except TimeoutError:  # socket.timeout is TimeoutError since Python 3.10
+            reason = f"timed out after {policy.timeout:g} s"
+        except urllib.error.URLError as exc:  # refused, unreachable, DNS; a timeout while connecting
+            timed_out = isinstance(exc.reason, TimeoutError)
+            reason = f"timed out after {policy.timeout:g} s" if timed_out else f"cannot connect: {exc.reason}"
+        except (http.client.HTTPException, OSError) as exc:  # connection dropped mid-answer
+            reason = f"connection failed: {type(exc).__name__}: {exc}"
+        if attempt < policy.retries:
+            if on_retry is not None:
+                on_retry()
+            wait = min(policy.backoff * 2**attempt, policy.max_backoff)
+            logger.warning("%s: %s; retry %d/%d in %.2gs", label, reason, attempt + 1, policy.retries, wait)
+            time.sleep(wait)
+    raise RewardError(f"{label}: {reason} (gave up after {attempts} attempts)")
 
 
 @register("remote")
@@ -91,19 +156,11 @@ class RemoteReward:
         headers: dict[str, str] | None = None,
         device: str | torch.device | None = None,
     ) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise RewardError(f"remote: url must start with http:// or https://, got {url!r}")
-        if not timeout > 0:
-            raise RewardError(f"remote: timeout must be positive, got {timeout!r}")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise RewardError(f"remote: retries must be a non-negative integer, got {retries!r}")
+        check_url("remote", "url", url)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise RewardError(f"remote: batch_size must be a positive integer, got {batch_size!r}")
         self.url = url
-        self.timeout = float(timeout)
-        self.retries = retries
-        self.backoff = max(0.0, float(backoff))
-        self.max_backoff = max(0.0, float(max_backoff))
+        self.policy = RetryPolicy.checked("remote", timeout, retries, backoff, max_backoff)
         self.batch_size = batch_size
         self.headers = {"Content-Type": "application/json", "Accept": "application/json", **(headers or {})}
         self.last_info: dict[str, float] = {}
@@ -136,30 +193,10 @@ class RemoteReward:
 
     def _post(self, body: bytes) -> bytes:
         """POST with retries; the answer's body, or a RewardError after the last attempt."""
-        attempts = self.retries + 1
-        for attempt in range(attempts):
-            try:
-                request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return response.read()
-            except urllib.error.HTTPError as exc:  # the server answered with an error status
-                excerpt = exc.read(_BODY_EXCERPT).decode("utf-8", "replace").replace("\n", " ").strip()
-                reason = f"HTTP {exc.code} {exc.reason}" + (f": {excerpt}" if excerpt else "")
-                if exc.code not in RETRY_STATUS:
-                    raise RewardError(f"remote {self.url}: {reason}") from None
-            except TimeoutError:  # socket.timeout is TimeoutError since Python 3.10
-                reason = f"timed out after {self.timeout:g} s"
-            except urllib.error.URLError as exc:  # refused, unreachable, DNS; a timeout while connecting
-                timed_out = isinstance(exc.reason, TimeoutError)
-                reason = f"timed out after {self.timeout:g} s" if timed_out else f"cannot connect: {exc.reason}"
-            except (http.client.HTTPException, OSError) as exc:  # connection dropped mid-answer
-                reason = f"connection failed: {type(exc).__name__}: {exc}"
-            if attempt < self.retries:
-                self.transient_retries += 1
-                wait = min(self.backoff * 2**attempt, self.max_backoff)
-                logger.warning("remote %s: %s; retry %d/%d in %.2gs", self.url, reason, attempt + 1, self.retries, wait)
-                time.sleep(wait)
-        raise RewardError(f"remote {self.url}: {reason} (gave up after {attempts} attempts)")
+        return post_with_retries(self.url, body, self.headers, self.policy, f"remote {self.url}", self._count_retry)
+
+    def _count_retry(self) -> None:
+        self.transient_retries += 1
 
     def _parse(self, raw: bytes, expected: int) -> list[float]:
         try:

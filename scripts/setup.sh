@@ -21,8 +21,9 @@ if ! python -c "import deepspeed" 2>/dev/null; then
   DS_BUILD_OPS=0 python -m pip install --quiet --no-build-isolation "deepspeed>=0.16,<0.20"
 fi
 # quant: torchao, bitsandbytes and optimum-quanto CPU wheels, so that the low-precision policy copies
-# (int8 / int4 / fp8 weight-only emulation) are tested for real
-python -m pip install --quiet -e ".[dev,demo,quant,data]"
+# (int8 / int4 / fp8 weight-only emulation) are tested for real; ocr: tesserocr (a 6 MB wheel with
+# libtesseract inside) for the ocr reward, whose English model comes from Debian's tesseract-ocr-eng
+python -m pip install --quiet -e ".[dev,demo,quant,data,ocr]"
 # TensorBoard (light, CPU only) so that the tracker tests run; wandb, mlflow and trackio are in
 # the `tracking` extra, and their tests skip where they are not installed
 python -m pip install --quiet "tensorboard>=2.14"
