@@ -107,8 +107,8 @@ class EditConsistency:
         """``(B,)`` in [0, 1] (clip: cosine in [-1, 1]) of edited images and sources ``(B, 3, H, W)``."""
         if self.clip is None:
             return 1.0 - (images - sources).abs().mean(dim=(1, 2, 3))
-        embed = lambda x: self.clip.image_embeddings(self.clip.preprocess(x))  # noqa: E731
-        return (embed(images) * embed(sources)).sum(dim=-1).float().cpu()
+        edited, source = (self.clip.image_embeddings(self.clip.preprocess(x)) for x in (images, sources))
+        return (edited * source).sum(dim=-1).float().cpu()  # unit-norm embeddings: the cosine
 
     def source(self, metadata: dict, index: int, size: Sequence[int]) -> torch.Tensor:
         """Sample ``index``'s source image ``(3, H, W)`` in [0, 1] at the edited image's ``size``."""
