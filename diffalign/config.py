@@ -126,6 +126,9 @@ class PromptsConfig:
     file: Optional[str] = None
     eval_file: Optional[str] = None  # eval prompts from another file (same formats); else see eval_split / eval_fraction
     column: str = "prompt"  # the text column of .jsonl / .csv / .parquet / datasets files
+    # editing models (flux_kontext, qwen_edit): the column holding each row's source image path
+    # (relative paths are relative to the prompt file's folder); None = text-only prompts
+    image_column: Optional[str] = None
     split: str = "train"  # datasets folder holding a DatasetDict: the training split
     eval_split: Optional[str] = None  # datasets folder holding a DatasetDict: the eval split (e.g. "test")
     # without eval_file / eval_split: hold out this fraction of the distinct prompts (a fixed random
@@ -150,6 +153,10 @@ class PromptsConfig:
         check(not (self.eval_fraction and (self.eval_file or self.eval_split)), "prompts.eval_fraction",
               "cannot be combined with prompts.eval_file or prompts.eval_split (they already give the eval prompts)")
         check(bool(self.column), "prompts.column", "must not be empty")
+        if self.image_column is not None:
+            check(self.source == "file", "prompts.image_column", "applies to prompts.source=file (a prompt file with an image column)")
+            check(bool(self.image_column) and self.image_column != self.column, "prompts.image_column",
+                  "must name a column other than prompts.column")
         if self.family_weights:
             check(self.source == "shapes" and self.balance_families, "prompts.family_weights",
                   "applies to prompts.source=shapes with prompts.balance_families=true (for other draws set "

@@ -33,6 +33,7 @@ from diffalign.adapters import DEFAULT_ALIASES, model_family
 from diffalign.config import native_bf16
 from diffalign.config_files import load_config
 from diffalign.errors import DiffalignError, RunDirError
+from diffalign.images import prompt_from_record, prompt_metadata
 from diffalign.runs import read_final_metadata
 from diffalign.sampling import sample_images
 from diffalign.shapes import FAMILIES, IN_DISTRIBUTION_FAMILIES, evaluation_prompts, prompt_family
@@ -205,7 +206,7 @@ def evaluate_adapter(
         images = sample_images(adapter, all_prompts, num_steps=num_steps, guidance_scale=guidance_scale,
                                resolution=resolution or adapter.default_resolution, seed=seed, batch_size=batch_size,
                                progress=f"sampling {len(all_prompts)} images")
-    metadata = [{} for _ in all_prompts]
+    metadata = prompt_metadata(all_prompts)
     scores = reward_models.check_reward_output(reward, reward_models.call_reward(fn, images, all_prompts, metadata), len(all_prompts))
     out = {"reward_mean": float(scores[torch.isfinite(scores)].mean())}
     out.update({k: float(v) for k, v in (getattr(fn, "last_info", None) or {}).items()})
@@ -245,8 +246,9 @@ def read_run_source(run_dir: str | Path) -> RunSource:
     cfg = load_config(path / "config.yaml")
     family = meta.get("family") or model_family(cfg.model.id, cfg.model.family)
     prompts_file = path / "prompts.json"
-    eval_prompts = json.loads(prompts_file.read_text()).get("eval", []) if prompts_file.is_file() else []
-    return RunSource(path.name, path, cfg.model.id, family, cfg.reward.name, dict(cfg.reward.kwargs), list(eval_prompts))
+    records = json.loads(prompts_file.read_text()).get("eval", []) if prompts_file.is_file() else []
+    eval_prompts = [p for p in map(prompt_from_record, records) if p is not None]  # editing prompts keep their images
+    return RunSource(path.name, path, cfg.model.id, family, cfg.reward.name, dict(cfg.reward.kwargs), eval_prompts)
 
 
 def same_model(a: str, b: str) -> bool:

@@ -2,6 +2,10 @@
 
 Images are ``(N, 3, H, W)`` tensors: float in [0, 1] as samplers return them, or uint8 in
 [0, 255] as pair files store them. Videos (video models) are ``(N, F, 3, H, W)``, frames second.
+
+Editing prompts carry the image an edit starts from: :class:`ImagePrompt` (a ``str`` with an
+``image`` path), read by editing adapters (conditioning) and, through :func:`prompt_metadata`, by
+rewards (the ``source_image`` entry of each sample's metadata).
 """
 
 from __future__ import annotations
@@ -13,6 +17,81 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+class ImagePrompt(str):
+    """An editing instruction with its source image: the text, and ``image``, the absolute path of
+    the image the edit starts from.
+
+    A ``str``, so every part that passes prompts along (prompt sampler, group planning, rollouts,
+    evaluation) passes it unchanged, and text rewards read the instruction as before; an editing
+    adapter's ``encode_prompts`` reads ``image`` and puts the source image's latents into the
+    prompt embeddings, so the same conditioning is used for sampling and for re-scoring in an
+    update. Equality and hash include the image (one instruction on two images is two prompts).
+    String operations (``strip``, slicing, formatting) return plain text.
+    """
+
+    image: str
+
+    def __new__(cls, text: str, image: str | Path) -> "ImagePrompt":
+        prompt = super().__new__(cls, text)
+        prompt.image = str(image)
+        return prompt
+
+    def __getnewargs__(self) -> tuple[str, str]:  # pickling (worker threads, process groups)
+        return str(self), self.image
+
+    def __eq__(self, other: object) -> bool:
+        return str.__eq__(self, other) is True and getattr(other, "image", None) == self.image
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((str(self), self.image))
+
+    def __repr__(self) -> str:
+        return f"ImagePrompt({str(self)!r}, image={self.image!r})"
+
+
+def prompt_image(prompt: str) -> str | None:
+    """The source image path of an editing prompt (:class:`ImagePrompt`), else None."""
+    return getattr(prompt, "image", None)
+
+
+def prompt_metadata(prompts: Sequence[str]) -> list[dict]:
+    """Per-sample reward metadata of ``prompts``: ``{"source_image": path}`` for an editing prompt,
+    ``{}`` for plain text."""
+    return [{"source_image": prompt_image(p)} if prompt_image(p) is not None else {} for p in prompts]
+
+
+def prompt_record(prompt: str) -> str | dict:
+    """A prompt as a run records it (``prompts.json``): the text, or ``{"prompt", "image"}`` for an
+    editing prompt."""
+    image = prompt_image(prompt)
+    return str(prompt) if image is None else {"prompt": str(prompt), "image": image}
+
+
+def prompt_from_record(record) -> str | None:
+    """The inverse of :func:`prompt_record`; None for anything else."""
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("image"), str):
+        return ImagePrompt(record["prompt"], record["image"])
+    return None
+
+
+def load_rgb(path: str | Path):
+    """The image at ``path`` as an RGB ``PIL.Image`` (fully read: a damaged file fails here)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def to_tensor(image) -> torch.Tensor:
+    """An RGB ``PIL.Image`` -> float ``(3, H, W)`` in [0, 1]."""
+    return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255
 
 
 def image_grid(images: torch.Tensor, nrow: int) -> np.ndarray:

@@ -15,6 +15,7 @@ import numpy as np
 
 from diffalign.config import RunConfig
 from diffalign.errors import ConfigError
+from diffalign.images import ImagePrompt, load_rgb
 from diffalign.shapes import prompt_family, split_prompts, validation_split
 
 
@@ -81,13 +82,14 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
         return train, heldout
     if p.source == "list":
         return list(p.train), list(p.eval or p.train)
-    train = read_prompt_file(p.file, column=p.column, split=p.split, key="prompts.file")
+    columns = dict(column=p.column, image_column=p.image_column)
+    train = read_prompt_file(p.file, split=p.split, key="prompts.file", **columns)
     if p.eval_file:
-        return train, read_prompt_file(p.eval_file, column=p.column, split=p.split, key="prompts.eval_file")
+        return train, read_prompt_file(p.eval_file, split=p.split, key="prompts.eval_file", **columns)
     if p.eval_split:
         if not Path(p.file).is_dir():
             raise ConfigError("config key 'prompts.eval_split' applies to a datasets folder in prompts.file (use prompts.eval_file)")
-        return train, read_prompt_file(p.file, column=p.column, split=p.eval_split, key="prompts.eval_split")
+        return train, read_prompt_file(p.file, split=p.eval_split, key="prompts.eval_split", **columns)
     if p.eval_fraction:
         return split_eval_fraction(train, p.eval_fraction)
     return train, train
@@ -109,40 +111,71 @@ def split_eval_fraction(prompts: Sequence[str], fraction: float) -> tuple[list[s
 TABLE_SUFFIXES = (".jsonl", ".csv", ".parquet")
 
 
-def read_prompt_file(path: str, *, column: str = "prompt", split: str = "train", key: str = "prompts.file") -> list[str]:
+def read_prompt_file(path: str, *, column: str = "prompt", split: str = "train", key: str = "prompts.file",
+                     image_column: str | None = None) -> list[str]:
     """The prompts of ``path``, in order: plain text (one per line, blank lines skipped), ``.jsonl``
     (one JSON object per line), ``.csv`` (with a header row), ``.parquet``, or a folder written by
     ``datasets``' ``save_to_disk`` (a ``DatasetDict`` is read at ``split``); for all but plain text
-    the values of ``column``. Errors are one-line ``ConfigError`` naming ``key`` and the file."""
+    the values of ``column``. With ``image_column`` (tables only) each prompt is an
+    :class:`~diffalign.images.ImagePrompt` whose source image is that column's path, relative to
+    the file's folder (a datasets folder: to itself), and every image is read here. Errors are
+    one-line ``ConfigError`` naming ``key`` and the file (and the row, for a bad image)."""
     f = Path(path)
     where = f"config key '{key}': {path!r}"
     if not f.exists():
         raise ConfigError(f"{where} does not exist")
-    if f.is_dir():
-        values, columns = _read_datasets_folder(f, column, split, key, where)
-    elif f.suffix.lower() == ".jsonl":
-        values, columns = _read_jsonl(f, column, where)
-    elif f.suffix.lower() == ".csv":
-        values, columns = _read_csv(f, column)
-    elif f.suffix.lower() == ".parquet":
-        values, columns = _read_parquet(f, column, where)
-    else:
+    if not f.is_dir() and f.suffix.lower() not in TABLE_SUFFIXES:
+        if image_column is not None:
+            raise ConfigError(f"config key 'prompts.image_column': {path!r} is plain text (one prompt per line); "
+                              "source images need a .jsonl, .csv, .parquet or datasets file")
         lines = [line.strip() for line in f.read_text().splitlines() if line.strip()]
         if not lines:
             raise ConfigError(f"{where}: the prompt file is empty")
         return lines
-    if columns is not None and column not in columns:
-        raise ConfigError(f"config key 'prompts.column': column {column!r} is not in {path!r} "
-                          f"(columns: {', '.join(map(str, columns)) or 'none'})")
+
+    def read(name: str, field_key: str) -> tuple[list, list[str] | None]:
+        if f.is_dir():
+            return _read_datasets_folder(f, name, split, key, where)
+        suffix = f.suffix.lower()
+        if suffix == ".jsonl":
+            return _read_jsonl(f, name, where, field_key)
+        return _read_csv(f, name) if suffix == ".csv" else _read_parquet(f, name, where)
+
+    values, columns = read(column, "prompts.column")
+    images = None
+    for field_key, name in [("prompts.column", column)] + ([("prompts.image_column", image_column)] if image_column else []):
+        if columns is not None and name not in columns:
+            raise ConfigError(f"config key '{field_key}': column {name!r} is not in {path!r} "
+                              f"(columns: {', '.join(map(str, columns)) or 'none'})")
+    if image_column is not None:
+        images, _ = read(image_column, "prompts.image_column")
     prompts = []
     for row, value in enumerate(values, start=1):
         if not isinstance(value, str):
             raise ConfigError(f"{where}: row {row} of column {column!r} is not text ({type(value).__name__}: {value!r:.60})")
         if value.strip():
-            prompts.append(value.strip())
+            text = value.strip()
+            prompts.append(text if images is None else ImagePrompt(text, _source_image(f, images[row - 1], row, where)))
     if not prompts:
         raise ConfigError(f"{where}: no prompts (the file is empty or column {column!r} holds only empty text)")
     return prompts
+
+
+def _source_image(f: Path, value, row: int, where: str) -> Path:
+    """The absolute path of row ``row``'s source image ``value`` (relative to the prompt file's
+    folder, or to a datasets folder itself), after reading the image whole."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}: row {row} has no source image path in prompts.image_column (got {value!r:.60})")
+    image = Path(value.strip()).expanduser()
+    if not image.is_absolute():
+        image = (f if f.is_dir() else f.parent) / image
+    if not image.is_file():
+        raise ConfigError(f"{where}: row {row}: source image {value!r} does not exist ({str(image)!r})")
+    try:
+        load_rgb(image)
+    except Exception as exc:  # PIL raises several error types for unreadable or damaged files
+        raise ConfigError(f"{where}: row {row}: source image {value!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    return image.resolve()
 
 
 def jsonl_objects(f: Path, where: str, error: type[Exception] = ConfigError) -> Iterator[tuple[int, dict]]:
@@ -162,12 +195,13 @@ def jsonl_objects(f: Path, where: str, error: type[Exception] = ConfigError) -> 
         yield n, obj
 
 
-def _read_jsonl(f: Path, column: str, where: str) -> tuple[list, None]:
-    """Values of ``column``, line by line (each line is checked for the key: no column list)."""
+def _read_jsonl(f: Path, column: str, where: str, field_key: str = "prompts.column") -> tuple[list, None]:
+    """Values of ``column``, line by line (each line is checked for the key: no column list);
+    ``field_key`` is the config key a missing key is reported under."""
     values = []
     for n, obj in jsonl_objects(f, where):
         if column not in obj:
-            raise ConfigError(f"config key 'prompts.column': line {n} of {str(f)!r} has no {column!r} "
+            raise ConfigError(f"config key '{field_key}': line {n} of {str(f)!r} has no {column!r} "
                               f"(keys: {', '.join(obj) or 'none'})")
         values.append(obj[column])
     return values, None

@@ -27,6 +27,7 @@ from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
 from diffalign.config_files import dump_config, to_dict
 from diffalign.errors import DiffalignError, Interrupted
+from diffalign.images import prompt_metadata, prompt_record
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.report import write_report
 from diffalign.sampling import build_kernel
@@ -127,7 +128,8 @@ class Trainer:
             runs.atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
             # the prompts as resolved at start: a prompt file may change after the run
             runs.atomic_write_text(self.run_dir / "prompts.json",
-                                   json.dumps({"train": self.train_prompts, "eval": self.eval_prompts}, indent=0) + "\n")
+                                   json.dumps({"train": [prompt_record(p) for p in self.train_prompts],
+                                               "eval": [prompt_record(p) for p in self.eval_prompts]}, indent=0) + "\n")
         self.tracking = tracking.Tracking(self.accelerator, cfg)
         self.tracking.start(to_dict(cfg))
 
@@ -166,8 +168,9 @@ class Trainer:
         """Call the reward (again after a failure, up to ``reward.max_failures``:
         :func:`~diffalign.training.rewards.call_with_retries`), validate the output (shape) and
         return (rewards (B,), info). Videos ``(B, F, 3, H, W)`` get the mean of the per-frame
-        rewards (:func:`reward_models.call_reward`)."""
-        metadata = metadata if metadata is not None else [{} for _ in prompts]
+        rewards (:func:`reward_models.call_reward`). Without ``metadata``, each sample's is
+        :func:`~diffalign.images.prompt_metadata` of its prompt (an edit's ``source_image``)."""
+        metadata = metadata if metadata is not None else prompt_metadata(prompts)
         value = call_with_retries(lambda: reward_models.call_reward(self.reward_fn, images, prompts, metadata),
                                   self.reward_fn, self.stats, self.cfg.reward.max_failures, self._log)
         rewards = reward_models.check_reward_output(self.cfg.reward.name, value, len(prompts))

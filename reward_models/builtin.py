@@ -19,6 +19,7 @@ _MODULES = [
     "reward_models.drm",
     "reward_models.spm",
     "reward_models.video",
+    "reward_models.edit",
 ]
 
 for _name in _MODULES:

@@ -30,10 +30,12 @@ from .base import ModelAdapter, PromptEmbeds
 FAMILIES: dict[str, str] = {
     "sd3": "diffalign.adapters.sd3:SD3Adapter",
     "flux": "diffalign.adapters.flux:FluxAdapter",
+    "flux_kontext": "diffalign.adapters.flux_kontext:FluxKontextAdapter",
     "sd15": "diffalign.adapters.sd15:SD15Adapter",
     "sdxl": "diffalign.adapters.sdxl:SDXLAdapter",
     "sana": "diffalign.adapters.sana:SanaAdapter",
     "qwen": "diffalign.adapters.qwen:QwenImageAdapter",
+    "qwen_edit": "diffalign.adapters.qwen_edit:QwenImageEditAdapter",
     "flux2": "diffalign.adapters.flux2:Flux2Adapter",
     "wan": "diffalign.adapters.wan:WanAdapter",
     "shapes": "diffalign.adapters.shapes:ShapesAdapter",
@@ -43,19 +45,25 @@ FAMILIES: dict[str, str] = {
 PIPELINE_FAMILIES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
+    "FluxKontextPipeline": "flux_kontext",
     "StableDiffusionPipeline": "sd15",
     "StableDiffusionXLPipeline": "sdxl",
     "SanaPipeline": "sana",
     "QwenImagePipeline": "qwen",
+    "QwenImageEditPipeline": "qwen_edit",
     "Flux2KleinPipeline": "flux2",
     "WanPipeline": "wan",
     "ShapesPipeline": "shapes",
 }
 
+# families whose every prompt needs a source image (prompts.image_column); FLUX.1 Kontext without
+# one is FLUX.1 text-to-image
+SOURCE_IMAGE_FAMILIES = ("qwen_edit",)
+
 DEFAULT_ALIASES = ("shapes", "default")  # ids of the shipped default model
 TINY_PREFIX = "tiny:"
 
-__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "ModelAdapter", "PromptEmbeds", "adapter_class", "load_adapter", "model_family"]
+__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "SOURCE_IMAGE_FAMILIES", "ModelAdapter", "PromptEmbeds", "adapter_class", "load_adapter", "model_family"]
 
 
 def _known() -> str:

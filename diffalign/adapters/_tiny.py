@@ -7,6 +7,8 @@ prompts, which is all a randomly initialised text encoder needs to give differen
 
 from __future__ import annotations
 
+from typing import Sequence
+
 # Whole words get their own token so that typical test prompts stay short; any other text
 # falls back to characters (CLIP: byte-level characters, T5: letters / digits / unk).
 TINY_WORDS = (
@@ -171,11 +173,13 @@ QWEN3_CHAT_TEMPLATE = (
 )
 
 
-def tiny_qwen2_tokenizer(max_length: int = 131072):  # Qwen2.5 / Qwen3 tokenizers' model_max_length
+def tiny_qwen2_tokenizer(max_length: int = 131072, extra_words: Sequence[str] = (), extra_special: Sequence[str] = ()):  # Qwen2.5 / Qwen3 model_max_length
     """A byte-level BPE ``Qwen2Tokenizer`` (the class of Qwen2.5-VL's and Qwen3's tokenizers) built
     in memory: the 256 byte characters, whole words of :data:`TINY_WORDS` and
     :data:`QWEN_TEMPLATE_WORDS` with and without the leading-space marker ``Ġ``, Qwen's special
-    tokens (``<|endoftext|>`` pads), and Qwen3's chat template."""
+    tokens (``<|endoftext|>`` pads), and Qwen3's chat template. ``extra_words`` (merged after all
+    of the others' chains in each block, so that they leave the other words' tokens as they were) and ``extra_special`` tokens add to it
+    (Qwen-Image-Edit's template words and vision tokens)."""
     from transformers import Qwen2Tokenizer
 
     alphabet = _bytes_to_unicode()
@@ -183,11 +187,13 @@ def tiny_qwen2_tokenizer(max_length: int = 131072):  # Qwen2.5 / Qwen3 tokenizer
     tokens = list(alphabet.values())
     merges: list[tuple[str, str]] = []
     words = list(dict.fromkeys(TINY_WORDS + QWEN_TEMPLATE_WORDS))
+    extra = [w for w in dict.fromkeys(extra_words) if w not in words]
     # Merge ranks in three blocks, each word a chain (prefix, next character). "Ġword" chains first:
     # their left parts all start with Ġ, so they never compete with one another and always beat the
     # bare-character pairs inside the word. Then bare words, the template's before TINY_WORDS, so that
     # "system", "Describe", "user" and "assistant" stay whole (the 34-token prefix).
-    chains = [[space, *w] for w in words] + [list(w) for w in QWEN_TEMPLATE_WORDS] + [list(w) for w in TINY_WORDS]
+    chains = [[space, *w] for w in words + extra] + [list(w) for w in QWEN_TEMPLATE_WORDS] + [list(w) for w in TINY_WORDS]
+    chains += [list(w) for w in extra]
     for pieces in chains:
         left = pieces[0]
         for right in pieces[1:]:
@@ -196,9 +202,10 @@ def tiny_qwen2_tokenizer(max_length: int = 131072):  # Qwen2.5 / Qwen3 tokenizer
             left += right
             if left not in tokens:
                 tokens.append(left)
-    vocab = {tok: i for i, tok in enumerate(tokens + list(QWEN_SPECIAL_TOKENS))}
+    special = list(QWEN_SPECIAL_TOKENS) + list(extra_special)
+    vocab = {tok: i for i, tok in enumerate(tokens + special)}
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    tokenizer.add_special_tokens({"additional_special_tokens": special[1:]})
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     return tokenizer
 
@@ -209,3 +216,40 @@ QWEN_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517
                      0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
 QWEN_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
+
+
+# Qwen-Image-Edit's system prompt (``QwenImageEditPipeline.prompt_template_encode``) in whole words
+# plus its punctuation pieces: with these the template's prefix is 64 tokens, as with the real
+# tokenizer, so that ``prompt_template_encode_start_idx = 64`` drops exactly the prefix and keeps
+# the vision tokens of the user turn.
+QWEN_EDIT_TEMPLATE_WORDS = (
+    "key features input objects then explain how user text instruction should alter or modify Generate new that meets "
+    "requirements while maintaining consistency with original where appropriate"
+).split() + ["(", "),", "'s"]
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def tiny_qwen_vl_processor(tokenizer, max_side: int = 56):
+    """A ``Qwen2VLProcessor`` (Qwen-Image-Edit's ``processor``) around ``tokenizer`` (which must
+    hold :data:`QWEN_VISION_TOKENS`) with the PIL image processor of Qwen2-VL, limited to images
+    of at most ``max_side`` pixels a side after its 28-pixel rounding (56: 4 patches of 14, one
+    merged vision token per 2x2 patches: every image gives 4 vision tokens).
+
+    Without torchvision transformers has no video processor; Qwen-Image-Edit never passes videos,
+    so the processor is built with none (``ProcessorMixin`` checks each part's class, and would
+    reject it). Such a processor cannot be saved with ``save_pretrained``; the pipeline's other
+    components can.
+    """
+    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=max_side * max_side, max_pixels=max_side * max_side)
+    processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
+
+    def lenient(name, value):  # this instance only: accept the missing video processor
+        return None if name == "video_processor" and value is None else ProcessorMixin.check_argument_for_proper_class(processor, name, value)
+
+    processor.check_argument_for_proper_class = lenient
+    Qwen2VLProcessor.__init__(processor, image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+    del processor.check_argument_for_proper_class
+    return processor

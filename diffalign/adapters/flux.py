@@ -104,9 +104,9 @@ class FluxAdapter(PackedFlowAdapter):
         """1 double + 1 single block of width 32 with guidance embedding (like FLUX.1-dev), a
         2-layer CLIP of width 16, a 1-layer T5 of width 32, a 2x VAE with 4 latent channels;
         32 px images = 16 x 16 latents = 64 packed tokens."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        import diffusers
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
         from transformers import CLIPTextModel, T5EncoderModel
-
 
         torch.manual_seed(seed)
         text_len, clip_width, t5_width, latent_channels = 16, 16, 32, 4
@@ -132,7 +132,7 @@ class FluxAdapter(PackedFlowAdapter):
             shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
             base_image_seq_len=256, max_image_seq_len=4096,
         )
-        pipe = FluxPipeline(
+        pipe = getattr(diffusers, cls.pipeline_class)(  # FluxPipeline, or a subclass's (FluxKontextPipeline)
             scheduler=scheduler,
             vae=tiny_vae(latent_channels, scaling_factor=0.3611, shift_factor=0.1159),  # FLUX.1's VAE constants
             text_encoder=CLIPTextModel(clip_config),
@@ -166,9 +166,14 @@ class FluxAdapter(PackedFlowAdapter):
         def forward(xb, tb, kw):
             text = kw["encoder_hidden_states"].to(dtype)
             img_ids, txt_ids, guidance = self._constant_inputs(xb.shape[0], h, w, text.shape[1], xb.device, dtype)
+            tokens = pack_latents(xb.to(dtype))
+            n = tokens.shape[1]
+            source = self._source_tokens(kw, dtype)
+            if source is not None:  # an edit's source image: more image tokens, output only for the first n
+                tokens, img_ids = torch.cat([tokens, source[0]], dim=1), torch.cat([img_ids, source[1]])
             with rope.active() if rope is not None else nullcontext():
                 out = transformer(
-                    hidden_states=pack_latents(xb.to(dtype)),
+                    hidden_states=tokens,
                     timestep=tb.to(dtype),  # sigma: the pipeline passes timesteps / 1000
                     guidance=guidance,
                     pooled_projections=kw["pooled_projections"].to(dtype),
@@ -177,9 +182,14 @@ class FluxAdapter(PackedFlowAdapter):
                     img_ids=img_ids,
                     return_dict=False,
                 )[0]
-            return unpack_latents(out, h, w)
+            return unpack_latents(out[:, :n], h, w)
 
         return self._guided(forward, x, t, embeds, guidance_scale)
+
+    def _source_tokens(self, kw: dict, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Tokens ``(B, N', D)`` and RoPE ids ``(N', 3)`` of a conditioning image to append to the
+        noisy latent's tokens, or None (text-to-image FLUX.1; FLUX.1 Kontext overrides it)."""
+        return None
 
     def _constant_inputs(self, n: int, h: int, w: int, text_len: int, device, dtype):
         """The transformer inputs that depend only on shapes (RoPE ids of image and text tokens,

@@ -22,7 +22,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -41,6 +41,57 @@ def rescaled_cfg(uncond: torch.Tensor, cond: torch.Tensor, guidance_scale: float
     token's norm (over ``D``) reset to the conditional velocity's."""
     comb = uncond + guidance_scale * (cond - uncond)
     return comb * (cond.norm(dim=-1, keepdim=True) / comb.norm(dim=-1, keepdim=True))
+
+
+def tiny_qwen_parts(tokenizer, **token_ids) -> dict:
+    """The random components of the tiny Qwen-Image builds but the tokenizer (drawn from torch's
+    global generator): a 1-layer Qwen2.5-VL of width 16 with a 1-block vision tower (its
+    ``token_ids``: the image / video / vision-start ids of ``tokenizer`` for Qwen-Image-Edit), 1
+    MMDiT block of width 16 (2 heads of 8), a 2x Qwen-Image VAE with 4 latent channels, and
+    Qwen-Image's scheduler settings."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    width, latent_channels = 16, 4
+    special = dict(bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id)
+    text_config = tiny_decoder_config(
+        dict, len(tokenizer), width=width, max_position_embeddings=256,
+        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},  # sums to head_dim / 2 = 4
+        **special,
+    )
+    vision_config = dict(depth=1, hidden_size=width, intermediate_size=2 * width, num_heads=2, out_hidden_size=width,
+                         fullatt_block_indexes=[0])  # 14 px patches, 2 frames, 2x2 merge: Qwen2.5-VL's
+    config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **special, **token_ids)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * latent_channels, out_channels=latent_channels, num_layers=1,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=width,
+        axes_dims_rope=(2, 2, 4),  # sums to attention_head_dim
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=latent_channels, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+        latents_mean=QWEN_LATENTS_MEAN[:latent_channels], latents_std=QWEN_LATENTS_STD[:latent_channels],
+    )
+    # Qwen-Image's scheduler settings: dynamic exponential shift, mu in [0.5, 0.9], last sigma stretched to 0.02.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, time_shift_type="exponential", base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+    )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, transformer=transformer)
+
+
+def padded_text(embeds: torch.Tensor, mask: Optional[torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """A pipeline's text states ``(B, n, D)`` and mask (None: all ones, as the pipelines return it)
+    cut or zero-padded to ``length`` tokens (mask 0 on padding), under the transformer's names."""
+    b, n, d = embeds.shape
+    if mask is None:
+        mask = torch.ones(b, n, dtype=torch.long, device=embeds.device)
+    embeds, mask = embeds[:, :length], mask[:, :length]
+    pad = length - embeds.shape[1]
+    return {
+        "encoder_hidden_states": torch.cat([embeds, embeds.new_zeros(b, pad, d)], dim=1),
+        "encoder_hidden_states_mask": torch.cat([mask, mask.new_zeros(b, pad)], dim=1),
+    }
 
 
 class QwenImageAdapter(PackedFlowAdapter):
@@ -70,12 +121,16 @@ class QwenImageAdapter(PackedFlowAdapter):
         super().__init__(pipeline, **base)
         if pipeline.transformer.config.guidance_embeds:
             raise ModelLoadError("qwen: guidance-distilled transformers (guidance_embeds=True) are not supported")
-        if not 1 <= max_sequence_length <= pipeline.tokenizer_max_length:
-            raise ModelLoadError(f"qwen: max_sequence_length must be in [1, {pipeline.tokenizer_max_length}], got {max_sequence_length}")
+        if not 1 <= max_sequence_length <= self._text_limit():
+            raise ModelLoadError(f"{self.family}: max_sequence_length must be in [1, {self._text_limit()}], got {max_sequence_length}")
         self.max_sequence_length = max_sequence_length
         self.negative_prompt = negative_prompt
         self.vae_scale_factor = pipeline.vae_scale_factor
         self.default_resolution = pipeline.default_sample_size * self.vae_scale_factor
+
+    def _text_limit(self) -> int:
+        """The largest ``max_sequence_length`` (the pipeline's ``tokenizer_max_length``, 1024)."""
+        return self.pipeline.tokenizer_max_length
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -83,38 +138,12 @@ class QwenImageAdapter(PackedFlowAdapter):
         """1 MMDiT block of width 16 (2 heads of 8), a 1-layer Qwen2.5-VL text model of width 16
         (with a 1-block vision tower the class requires), a 2x Qwen-Image VAE with 4 latent
         channels; 16 text tokens; 32 px images = 16 x 16 latents = 64 packed tokens."""
-        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
+        from diffusers import QwenImagePipeline
 
         kwargs.setdefault("max_sequence_length", 16)
         torch.manual_seed(seed)
-        width, latent_channels = 16, 4
         tokenizer = tiny_qwen2_tokenizer()
-        special = dict(bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id)
-        text_config = tiny_decoder_config(
-            dict, len(tokenizer), width=width, max_position_embeddings=256,
-            rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},  # sums to head_dim / 2 = 4
-            **special,
-        )
-        vision_config = dict(depth=1, hidden_size=width, intermediate_size=2 * width, num_heads=2, out_hidden_size=width,
-                             fullatt_block_indexes=[0])
-        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **special))
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=4 * latent_channels, out_channels=latent_channels, num_layers=1,
-            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=width,
-            axes_dims_rope=(2, 2, 4),  # sums to attention_head_dim
-        )
-        vae = AutoencoderKLQwenImage(
-            base_dim=8, z_dim=latent_channels, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
-            latents_mean=QWEN_LATENTS_MEAN[:latent_channels], latents_std=QWEN_LATENTS_STD[:latent_channels],
-        )
-        # Qwen-Image's scheduler settings: dynamic exponential shift, mu in [0.5, 0.9], last sigma stretched to 0.02.
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=1.0, use_dynamic_shifting=True, time_shift_type="exponential", base_shift=0.5, max_shift=0.9,
-            base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
-        )
-        pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+        pipe = QwenImagePipeline(tokenizer=tokenizer, **tiny_qwen_parts(tokenizer))
         return cls(pipe, device=device, dtype=dtype, **kwargs)  # kwargs: adapter options
 
     # ---- the contract -------------------------------------------------------------------
@@ -122,14 +151,7 @@ class QwenImageAdapter(PackedFlowAdapter):
     def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
         def encode(texts):
             pe, mask = self.pipeline.encode_prompt(list(texts), device=self.device, max_sequence_length=self.max_sequence_length)
-            b, n, d = pe.shape
-            if mask is None:  # the pipeline drops an all-ones mask
-                mask = torch.ones(b, n, dtype=torch.long, device=pe.device)
-            pad = self.max_sequence_length - n
-            return {
-                "encoder_hidden_states": torch.cat([pe, pe.new_zeros(b, pad, d)], dim=1),
-                "encoder_hidden_states_mask": torch.cat([mask, mask.new_zeros(b, pad)], dim=1),
-            }
+            return padded_text(pe, mask, self.max_sequence_length)
 
         return PromptEmbeds.from_encoder(encode, prompts, with_uncond, self.negative_prompt)
 
@@ -141,16 +163,27 @@ class QwenImageAdapter(PackedFlowAdapter):
         _, _, h, w = x.shape
 
         def forward(xb, tb, kw):
+            tokens = pack_latents(xb.to(dtype))
+            n, shapes = tokens.shape[1], [(1, h // 2, w // 2)]
+            source = self._source_tokens(kw, dtype)
+            if source is not None:  # an edit's source image: more image tokens, output only for the first n
+                tokens, shapes = torch.cat([tokens, source[0]], dim=1), shapes + [source[1]]
             return transformer(
-                hidden_states=pack_latents(xb.to(dtype)),
+                hidden_states=tokens,
                 timestep=tb.to(dtype),  # sigma: the pipeline passes timesteps / 1000
                 encoder_hidden_states=kw["encoder_hidden_states"].to(dtype),
                 encoder_hidden_states_mask=kw["encoder_hidden_states_mask"],
-                img_shapes=[[(1, h // 2, w // 2)]] * xb.shape[0],
+                img_shapes=[shapes] * xb.shape[0],
                 return_dict=False,
-            )[0]
+            )[0][:, :n]
 
         return unpack_latents(self._guided(forward, x, t, embeds, guidance_scale, combine=rescaled_cfg), h, w)
+
+    def _source_tokens(self, kw: dict, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, tuple[int, int, int]]]:
+        """Packed tokens ``(B, N', D)`` and the ``img_shapes`` entry ``(1, h'/2, w'/2)`` of a
+        conditioning image to append to the noisy latent's tokens, or None (text-to-image
+        Qwen-Image; Qwen-Image-Edit overrides it)."""
+        return None
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

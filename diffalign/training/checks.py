@@ -11,7 +11,7 @@ import torch
 
 import reward_models
 from diffalign import recipes
-from diffalign.adapters import FAMILIES, model_family
+from diffalign.adapters import FAMILIES, SOURCE_IMAGE_FAMILIES, model_family
 from diffalign.errors import ConfigError, DiffalignError
 from diffalign.prompts import resolve_probe_prompts, resolve_prompts
 from diffalign.training.tracking import check_trackers
@@ -32,10 +32,13 @@ def check_config(cfg) -> None:
         except DiffalignError as exc:
             raise ConfigError(f"config key '{key}': {exc}") from None
     try:
-        model_family(cfg.model.id, cfg.model.family)
+        family = model_family(cfg.model.id, cfg.model.family)
     except DiffalignError as exc:
         key = "model.family" if cfg.model.family not in ("auto", *FAMILIES) else "model.id"
         raise ConfigError(f"config key '{key}': {exc}") from None
+    if family in SOURCE_IMAGE_FAMILIES and not cfg.prompts.image_column:
+        raise ConfigError(f"config key 'prompts.image_column': model family {family!r} edits a source image; give a prompt "
+                          "file whose rows name one (docs/models.md, Editing)")
     check_trackers(cfg.log.trackers)
     resolve_prompts(cfg)
     resolve_probe_prompts(cfg)
