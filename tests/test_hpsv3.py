@@ -184,6 +184,13 @@ def test_scores_match_the_authors_route_and_are_differentiable(files):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert abs(float(got[0] - got[1])) > 1e-4 and reward.last_info["hpsv3_sigma"] > 0
 
+    templated = reward.chat_text("a red cat", 3)
+    template, reward.tokenizer.chat_template = reward.tokenizer.chat_template, None
+    try:  # without a template in the tokenizer, Qwen2-VL's layout is written out: the same text
+        assert reward.chat_text("a red cat", 3) == templated and templated.count("<|image_pad|>") == 3
+    finally:
+        reward.tokenizer.chat_template = template
+
     pixels = images[:1].clone().requires_grad_(True)
     reward.score(pixels, PROMPTS[:1]).sum().backward()
     assert torch.isfinite(pixels.grad).all() and pixels.grad.abs().sum() > 0
