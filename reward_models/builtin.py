@@ -13,6 +13,8 @@ _MODULES = [
     "reward_models.pickscore",
     "reward_models.aesthetic",
     "reward_models.hpsv2",
+    "reward_models.imagereward",
+    "reward_models.hpsv3",
     "reward_models.remote",
     "reward_models.vlm_judge",
     "reward_models.ocr",

@@ -88,8 +88,8 @@ def pooled_output(features: Any) -> torch.Tensor:
     return features if isinstance(features, torch.Tensor) else features.pooler_output
 
 
-def resolve_weights_file(reward: str, source: str, filename: str) -> str:
-    """Local path of a weights file.
+def resolve_weights_file(reward: str, source: str, filename: str, what: str = "weights file") -> str:
+    """Local path of a weights file (or of another single file, named ``what`` in errors).
 
     ``source`` is either a local file (used as is) or a hub repo id ("namespace/name") from which
     ``filename`` is downloaded into (or read from) the huggingface_hub cache.
@@ -97,9 +97,9 @@ def resolve_weights_file(reward: str, source: str, filename: str) -> str:
     expanded = os.path.expanduser(str(source))
     if os.path.isfile(expanded):
         return expanded
-    is_file_name = str(source).endswith((".pt", ".pth", ".bin", ".safetensors"))
+    is_file_name = str(source).endswith((".pt", ".pth", ".bin", ".safetensors", ".json"))
     if looks_like_path(str(source)) or os.path.isdir(expanded) or is_file_name:
-        raise RewardError(f"{reward}: weights file {source!r} does not exist")
+        raise RewardError(f"{reward}: {what} {source!r} does not exist")
     from huggingface_hub import hf_hub_download  # lazy: only needed for hub ids
 
     try:
