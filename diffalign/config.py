@@ -91,7 +91,6 @@ class RolloutConfig:
     prompts_per_iteration: int = 4  # distinct prompts per iteration (per process)
     group_size: int = 8  # images per prompt (G); advantages are computed within these groups
     sample_batch_size: int = 8  # samples per batched forward during rollouts
-    overlap_rewards: bool = True  # score batch k in a worker thread while batch k+1 is sampled
     # every image of a group starts from the same initial noise (DanceGRPO's init_same_noise), so
     # that the rewards within a group differ only through the SDE steps the update trains; off:
     # independent noise per image (the Flow-GRPO reference)
@@ -111,6 +110,10 @@ class RewardConfig:
     # Reward calls that failed (after the reward's own retries, e.g. a remote server down) tolerated
     # in a run, each scored again; one more stops the run with a checkpoint (counted: reward_failures).
     max_failures: int = 3
+    # YAML key `async` (a Python keyword, hence the field's name): score each rollout chunk on a
+    # worker thread while the next chunk of the same iteration samples; false: score each chunk
+    # before the next one samples. Same rewards and weights either way (docs/rewards.md).
+    async_: bool = field(default=True, metadata={"key": "async"})
 
     def validate(self) -> None:
         check(self.max_failures >= 0, "reward.max_failures", "must be >= 0")
@@ -352,6 +355,12 @@ class AlgorithmConfig:
     def kernel_reduction(self) -> str:
         """How the SDE kernel reduces its Gaussian log-density over latent elements."""
         return "mean"
+
+    def rewards_in_groups(self) -> bool:
+        """Whether the method scores whole images in prompt groups and tells the reward each image's
+        group (``metadata["group"]``), so that a reward comparing the images of a group (``pairwise``)
+        can train it."""
+        return False
 
 
 def method_defaults(**values):

@@ -7,6 +7,7 @@ that name the key.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -105,17 +106,48 @@ def from_dict(cls, data: Any, prefix: str = ""):
     if isinstance(cls, type) and issubclass(cls, AlgorithmConfig) and cls.renamed_keys:
         data = _renamed(data, cls.renamed_keys, prefix)
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {yaml_key(f) for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
             full = f"{prefix}.{key}" if prefix else str(key)
             raise ConfigError(f"unknown config key '{full}' (known in this section: {', '.join(sorted(names))})")
     kwargs = {}
     for f in dataclasses.fields(cls):
-        if f.name in data:
-            full = f"{prefix}.{f.name}" if prefix else f.name
-            kwargs[f.name] = _coerce(data[f.name], hints[f.name], full)
+        key = yaml_key(f)
+        if key in data:
+            full = f"{prefix}.{key}" if prefix else key
+            kwargs[f.name] = _coerce(data[key], hints[f.name], full)
     return cls(**kwargs)
+
+
+def yaml_key(f: dataclasses.Field) -> str:
+    """A field's key in YAML and overrides: its name, or ``metadata["key"]`` where the name cannot be
+    the key (``reward.async`` is the field ``async_``: ``async`` is a Python keyword)."""
+    return f.metadata.get("key", f.name)
+
+
+# keys that moved to another section: old dotted key -> new dotted key (load with a one-line notice)
+MOVED_KEYS = {"rollout.overlap_rewards": "reward.async"}
+
+
+def _moved(data: dict) -> dict:
+    """``data`` (a run config mapping) with each key of :data:`MOVED_KEYS` at its new place."""
+    for old, new in MOVED_KEYS.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        section = data.get(old_section)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        target = data.get(new_section)
+        if target is None:
+            target = data[new_section] = {}
+        if not isinstance(target, dict):
+            continue  # from_dict names the malformed section
+        if new_key in target:
+            raise ConfigError(f"config key '{old}' is the old name of '{new}'; give only '{new}'")
+        print(f"warning: config key '{old}' is deprecated; it is now called '{new}'", file=sys.stderr)
+        data[old_section] = {k: v for k, v in section.items() if k != old_key}
+        data[new_section] = {**target, new_key: section[old_key]}
+    return data
 
 
 def _renamed(data: dict, renamed: dict[str, str], prefix: str) -> dict:
@@ -132,7 +164,14 @@ def _renamed(data: dict, renamed: dict[str, str], prefix: str) -> dict:
 
 
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data, under the keys YAML uses (:func:`yaml_key`); loads back with :func:`from_dict`."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {yaml_key(f): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return type(cfg)(to_dict(v) for v in cfg)
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return copy.deepcopy(cfg)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -194,7 +233,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     data = dict(base or {})
     if path is not None:
         data.update(read_yaml(path))
-    data = apply_overrides(data, list(overrides))
+    data = _moved(apply_overrides(data, list(overrides)))
     cfg = from_dict(RunConfig, data)
     cfg.validate()
     return cfg

@@ -26,7 +26,7 @@ from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
 from diffalign.config_files import dump_config, to_dict
-from diffalign.errors import DiffalignError, Interrupted
+from diffalign.errors import ConfigError, DiffalignError, Interrupted
 from diffalign.images import prompt_metadata, prompt_record
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.report import write_report
@@ -83,6 +83,9 @@ class Trainer:
         self.probe_prompts = resolve_probe_prompts(cfg)
         tracking.check_trackers(cfg.log.trackers)
         self.reward_fn = reward_models.build(cfg.reward.name, device="cpu", **cfg.reward.kwargs)
+        if reward_models.is_groupwise(self.reward_fn) and not cfg.algorithm.rewards_in_groups():
+            raise ConfigError(f"config key 'reward.name': reward {cfg.reward.name!r} compares the images of a prompt group, "
+                              f"which algorithm {cfg.algorithm.name!r} does not hand to its reward (docs/rewards.md#pairwise-preference-rewards)")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.mixed_precision = cfg.train.resolved_mixed_precision(device)
         allow_precision(self.mixed_precision)
@@ -104,8 +107,9 @@ class Trainer:
         if self.device.type != "cpu" and cfg.reward.name:
             # rebuild on the accelerator when it has one (rewards take a device argument)
             self.reward_fn = reward_models.build(cfg.reward.name, device=str(self.device), **cfg.reward.kwargs)
-        self.reward_pool = RewardPool(self.score, overlap=cfg.rollout.overlap_rewards, reward_name=cfg.reward.name,
-                                      nonfinite=cfg.reward.nonfinite, stats=self.stats)
+        self.reward_pool = RewardPool(self.score, asynchronous=cfg.reward.async_, reward_name=cfg.reward.name,
+                                      nonfinite=cfg.reward.nonfinite, stats=self.stats,
+                                      groupwise=reward_models.is_groupwise(self.reward_fn))
         self._setup_trainable()
         self.kernel = build_kernel(
             self.adapter, cfg.sampling.kernel, cfg.sampling.noise_level,
@@ -168,17 +172,24 @@ class Trainer:
         """Call the reward (again after a failure, up to ``reward.max_failures``:
         :func:`~diffalign.training.rewards.call_with_retries`), validate the output (shape) and
         return (rewards (B,), info). Videos ``(B, F, 3, H, W)`` get the mean of the per-frame
-        rewards (:func:`reward_models.call_reward`). Without ``metadata``, each sample's is
-        :func:`~diffalign.images.prompt_metadata` of its prompt (an edit's ``source_image``)."""
-        metadata = metadata if metadata is not None else prompt_metadata(prompts)
+        rewards (:func:`reward_models.call_reward`). Each sample's metadata is
+        :func:`~diffalign.images.prompt_metadata` of its prompt (an edit's ``source_image``) plus
+        its entry of ``metadata`` (the reward pool's ``group``)."""
+        metadata = [{**base, **extra} for base, extra in zip(prompt_metadata(prompts), metadata or [{} for _ in prompts])]
         value = call_with_retries(lambda: reward_models.call_reward(self.reward_fn, images, prompts, metadata),
                                   self.reward_fn, self.stats, self.cfg.reward.max_failures, self._log)
         rewards = reward_models.check_reward_output(self.cfg.reward.name, value, len(prompts))
         return rewards, dict(getattr(self.reward_fn, "last_info", None) or {})
 
-    def score_async(self, images: torch.Tensor, prompts: list[str]):
-        """Submit scoring to a worker thread (overlaps the next batch's sampling)."""
-        return self.reward_pool.submit(images, prompts)
+    def score_async(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor | None = None,
+                    group_size: int | None = None):
+        """Score a rollout chunk through the reward pool: on its worker thread while the next chunk
+        samples (``reward.async``), else now. ``groups`` (B,): each image's prompt-group id, unique
+        within the iteration; ``group_size``: images per group (default ``rollout.group_size``).
+        Returns a future-like object whose ``result()`` is (rewards (B,), info)."""
+        if groups is not None and group_size is None:
+            group_size = self.cfg.rollout.group_size
+        return self.reward_pool.submit(images, prompts, groups, group_size)
 
     def check_rewards(self, rewards: torch.Tensor, iteration: int) -> torch.Tensor:
         """Count non-finite rewards; stop (``reward.nonfinite=error``) or leave them for masking."""

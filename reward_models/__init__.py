@@ -9,12 +9,12 @@ to videos ``(B,F,3,H,W)`` as the mean over frames (see :mod:`reward_models.base`
 from typing import Any, Optional
 
 from reward_models.base import (
-    RewardFn, available, build, call_reward, check_images, check_reward_output, is_video_reward, register,
+    RewardFn, available, build, call_reward, check_images, check_reward_output, is_groupwise, is_video_reward, register,
 )
 from diffalign.errors import RewardError, close_match
 
 __all__ = ["RewardFn", "available", "build", "call_reward", "check_images", "check_name", "check_reward_output",
-           "is_video_reward", "register"]
+           "is_groupwise", "is_video_reward", "register"]
 
 # Built-in rewards register themselves on import; each module keeps heavy imports lazy.
 from reward_models import builtin as _builtin  # noqa: E402,F401
@@ -30,6 +30,10 @@ def check_name(name: str, kwargs: Optional[dict[str, Any]] = None) -> None:
         if "." not in name and ":" not in name:
             raise RewardError(f"unknown reward {name!r}{close_match(name, available())}; known rewards: {', '.join(available())}")
         base._resolve_dotted(name)
+    if name == "pairwise":
+        from reward_models.pairwise import check_judge_name
+
+        check_judge_name((kwargs or {}).get("judge"))
     if name == "weighted":
         components = (kwargs or {}).get("components")
         for index, spec in enumerate(components if isinstance(components, list) else []):  # malformed: build() says how

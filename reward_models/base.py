@@ -16,6 +16,11 @@ image reward scores every frame with the video's prompt and metadata, and the vi
 the **mean over its F frames**. A reward that judges a video as a whole (motion, consistency)
 sets the class attribute ``video = True`` and receives the ``(B, F, 3, H, W)`` tensor unchanged.
 
+**Groups**: during training each image's metadata holds ``"group"``, the id of its prompt group
+(the images sampled together for one prompt, whose rewards the advantages compare). A reward that
+compares the images of a group sets ``groupwise = True`` (:func:`is_groupwise`) and then receives
+whole groups.
+
 Rewards are found by name in an explicit registry (``@register("name")``) or by dotted path
 (``"package.module:factory"`` or ``"package.module.factory"``). Heavy dependencies are imported
 lazily inside the factories; every factory takes a ``device`` keyword instead of calling
@@ -98,6 +103,13 @@ def build(name: str, **kwargs: Any) -> RewardFn:
 def is_video_reward(reward) -> bool:
     """Whether ``reward`` takes whole videos ``(B, F, 3, H, W)`` (attribute ``video = True``)."""
     return bool(getattr(reward, "video", False))
+
+
+def is_groupwise(reward) -> bool:
+    """Whether ``reward`` compares the images of a prompt group with each other (attribute
+    ``groupwise = True``, e.g. ``pairwise``): it reads each image's group from ``metadata["group"]``
+    and must receive whole groups, which the trainer's reward pool guarantees."""
+    return bool(getattr(reward, "groupwise", False))
 
 
 def call_reward(reward: RewardFn, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:

@@ -9,6 +9,7 @@ _MODULES = [
     "reward_models.compression",
     "reward_models.clip_score",
     "reward_models.combine",
+    "reward_models.pairwise",
     "reward_models.shapes_eval",
     "reward_models.pickscore",
     "reward_models.aesthetic",

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from diffalign.errors import RewardError
-from reward_models.base import RewardFn, build, call_reward, check_reward_output, register
+from reward_models.base import RewardFn, build, call_reward, check_reward_output, is_groupwise, register
 
 _SPEC_KEYS = {"name", "weight", "kwargs", "label"}
 
@@ -69,6 +69,7 @@ class WeightedSum:
 
     def __init__(self, components: Sequence[Component]) -> None:
         self.components = list(components)
+        self.groupwise = any(is_groupwise(c.reward) for c in self.components)  # a pairwise component needs whole groups
         self.last_info: dict[str, float] = {}
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:

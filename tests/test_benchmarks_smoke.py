@@ -123,3 +123,16 @@ def test_scaling_benchmark_fits_and_resumes(repo_root, tmp_path, capsys, monkeyp
         assert piece["base_mib"] > 0 or sys.platform != "linux"
     assert scaling.main(args) == 0  # resumes: every point is read back, none rerun
     assert "- sd3" in capsys.readouterr().out and sorted(p.name for p in (tmp_path / "sd3").iterdir()) == pieces
+
+
+@pytest.mark.slow
+def test_async_rewards_benchmark_smallest_run(repo_root, tmp_path, capsys):
+    """benchmarks/async_rewards.py: a pair of timed iterations, printed beside the ideal ratio."""
+    spec = importlib.util.spec_from_file_location("benchmarks_async_rewards", repo_root / "benchmarks" / "async_rewards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--repeats", "1", "--kinds", "sleep", "--output-dir", str(tmp_path / "run"), "sampling.num_steps=2",
+                          "rollout.prompts_per_iteration=2"])
+    assert set(result) == {"sleep"} and result["sleep"]["sync"] > 0 and result["sleep"]["async"] > 0
+    out = capsys.readouterr().out
+    assert "2 chunks per iteration" in out and "sync/async" in out

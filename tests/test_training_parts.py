@@ -113,18 +113,18 @@ def test_ema_state_round_trips_and_reads_checkpoints_without_an_update_count():
 def test_reward_pool_counts_or_refuses_non_finite_rewards():
     calls = []
 
-    def score(images, prompts):
+    def score(images, prompts, metadata):
         calls.append(len(prompts))
         return torch.tensor([1.0, float("nan")]), {"acc": 0.5}
 
     stats = {"nonfinite_rewards": 0}
-    pool = RewardPool(score, overlap=True, reward_name="r", nonfinite="skip", stats=stats)
+    pool = RewardPool(score, asynchronous=True, reward_name="r", nonfinite="skip", stats=stats)
     rewards, info = pool.submit(torch.zeros(2, 3, 4, 4), ["a", "b"]).result()
     pool.shutdown()
     assert calls == [2] and info == {"acc": 0.5}
     pool.check(rewards, 0)
     assert stats["nonfinite_rewards"] == 1
-    strict = RewardPool(score, overlap=False, reward_name="r", nonfinite="error", stats=stats)
+    strict = RewardPool(score, asynchronous=False, reward_name="r", nonfinite="error", stats=stats)
     with pytest.raises(RewardError, match="1 non-finite values .* at iteration 3"):
         strict.check(strict.submit(torch.zeros(2, 3, 4, 4), ["a", "b"]).result()[0], 3)
     assert reward_info([(None, {"acc": 0.5}), (None, {"acc": 1.0})]) == {"reward/acc": 0.75}

@@ -64,6 +64,9 @@ class AWMConfig(GroupAdvantageOptions, AlgorithmConfig):
     def trained_steps_per_sample(self, sde_steps: int) -> int:  # one noise level per stratum
         return self.train_timesteps
 
+    def rewards_in_groups(self) -> bool:
+        return True
+
     def validate(self, prefix: str = "algorithm") -> None:
         check(self.weighting in WEIGHTINGS, f"{prefix}.weighting", f"must be one of {', '.join(WEIGHTINGS)}")
         check(self.train_timesteps >= 1, f"{prefix}.train_timesteps", "must be >= 1")

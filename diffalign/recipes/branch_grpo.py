@@ -78,6 +78,9 @@ class BranchGRPOConfig(AdvantageOptions, ClippedPolicyOptions, AlgorithmConfig):
 
     renamed_keys = {"filter_zero_std_trees": "filter_zero_std_groups"}  # a group is a prompt's tree
 
+    def rewards_in_groups(self) -> bool:  # a group is a prompt's tree: its leaves
+        return True
+
     def validate(self, prefix: str = "algorithm") -> None:
         check(len(self.split_steps) >= 1, "algorithm.split_steps", "must list at least one step")
         check(len(set(self.split_steps)) == len(self.split_steps), "algorithm.split_steps", f"has duplicates: {self.split_steps}")
@@ -214,7 +217,9 @@ class BranchGRPOTrainer(Trainer):
         images = traj.images.flatten(0, 1)  # (P * L, 3, H, W), tree-major
         leaf_prompts = [p for p in prompts for _ in range(tree.num_leaves)]
         bs = cfg.rollout.sample_batch_size
-        futures = [self.score_async(images[i : i + bs], leaf_prompts[i : i + bs]) for i in range(0, len(images), bs)]
+        trees = torch.arange(rank * per_proc, (rank + 1) * per_proc).repeat_interleave(tree.num_leaves)  # each leaf's global tree
+        futures = [self.score_async(images[i : i + bs], leaf_prompts[i : i + bs], trees[i : i + bs], tree.num_leaves)
+                   for i in range(0, len(images), bs)]
         results = [f.result() for f in futures]
         rewards = torch.cat([r for r, _ in results]).view(len(prompts), tree.num_leaves)
         info = self.gather_info(reward_info(results))  # per-batch means, then over processes

@@ -76,6 +76,9 @@ class DiffusionNFTConfig(GroupAdvantageOptions, AlgorithmConfig):
     def trained_steps_per_sample(self, sde_steps: int) -> int:
         return fraction_of_steps(sde_steps, self.train_timestep_fraction)
 
+    def rewards_in_groups(self) -> bool:
+        return True
+
 
 @dataclass
 class SeededSamples:
@@ -110,12 +113,14 @@ def draw_prompts_and_seeds(trainer: Trainer, per_prompt: int) -> tuple[list[str]
 
 
 def sample_and_score(trainer: Trainer, embeds: PromptEmbeds, seeds: torch.Tensor, prompts: list[str], *, num_steps: int,
-                     guidance_scale: float, batch_size: int, prompt_index: Optional[torch.Tensor] = None
+                     guidance_scale: float, batch_size: int, prompt_index: Optional[torch.Tensor] = None,
+                     groups: Optional[torch.Tensor] = None, group_size: Optional[int] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """ODE samples of (embeds[i], seeds[i]) with whatever denoiser the adapter holds, in chunks of
     ``batch_size``, each scored while the next one samples. With ``prompt_index`` (n,), ``embeds``
     holds one row per prompt and sample i uses row ``prompt_index[i]`` (a pool of many seeds per
-    prompt then never holds n copies of the text embeddings).
+    prompt then never holds n copies of the text embeddings). ``groups`` (n,) / ``group_size``: each
+    sample's prompt group, told to the reward (:meth:`~diffalign.trainer.Trainer.score_async`).
 
     Returns (x0 (n, *latent), images (n, 3, H, W), rewards (n,), reward info)."""
     x0, images, futures = [], [], []
@@ -129,7 +134,7 @@ def sample_and_score(trainer: Trainer, embeds: PromptEmbeds, seeds: torch.Tensor
                                  guidance_scale=guidance_scale, resolution=trainer.resolution, batch_size=batch_size)
         x0.append(traj.latents[:, -1])
         images.append(traj.images)
-        futures.append(trainer.score_async(traj.images, prompts[rows]))
+        futures.append(trainer.score_async(traj.images, prompts[rows], None if groups is None else groups[rows], group_size))
     results = [f.result() for f in futures]
     rewards = torch.cat([r for r, _ in results]) if results else torch.empty(0)
     return torch.cat(x0), torch.cat(images), rewards, reward_info(results)
@@ -221,7 +226,8 @@ class DiffusionNFTTrainer(Trainer):
         t0 = time.perf_counter()
         with self.sampling_policy():
             x0, images, rewards, info = sample_and_score(self, embeds, local_seeds, sample_prompts, num_steps=s.num_steps,
-                                                         guidance_scale=s.guidance_scale, batch_size=cfg.rollout.sample_batch_size)
+                                                         guidance_scale=s.guidance_scale, batch_size=cfg.rollout.sample_batch_size,
+                                                         groups=torch.arange(first, first + n_local) // group)
         info = self.gather_info(info)
         info["time/rollout"] = time.perf_counter() - t0
         return SeededSamples(x0, images, embeds, sample_prompts, local_seeds, torch.arange(first, first + n_local), n_global, rewards, info)

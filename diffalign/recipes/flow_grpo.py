@@ -47,6 +47,9 @@ class FlowGRPOConfig(GroupAdvantageOptions, ClippedPolicyOptions, AlgorithmConfi
     def trained_steps_per_sample(self, sde_steps: int) -> int:
         return fraction_of_steps(sde_steps, self.train_timestep_fraction)
 
+    def rewards_in_groups(self) -> bool:
+        return True
+
 
 class FlowGRPOTrainer(Trainer):
     supports_fsdp = True
@@ -69,7 +72,7 @@ class FlowGRPOTrainer(Trainer):
         trajs, futures = [], []
         for idx, traj in sample_group_chunks(self, plan):
             trajs.append(traj)
-            futures.append(self.score_async(traj.images, plan.sample_prompts[idx]))  # overlaps the next chunk
+            futures.append(self.score_async(traj.images, plan.sample_prompts[idx], plan.group_ids[idx]))  # overlaps the next chunk
         results = [f.result() for f in futures]
         rewards = torch.cat([r for r, _ in results])
         info = self.gather_info(reward_info(results))  # per-batch means, then over processes

@@ -84,6 +84,9 @@ class SolRLConfig(AlgorithmConfig):
     def kernel_reduction(self) -> str:
         return self.flow_grpo.kernel_reduction()
 
+    def rewards_in_groups(self) -> bool:
+        return True
+
     def validate(self, prefix: str = "algorithm") -> None:
         check(self.pool_size >= 2, f"{prefix}.pool_size", "must be >= 2")
         check(self.stage1_steps >= 1, f"{prefix}.stage1_steps", "must be >= 1 (stage-1 ODE steps)")
@@ -156,7 +159,8 @@ class TwoStageRollout:
         with self.lowp.swapped_into(self.adapter):
             _, _, rewards, _ = sample_and_score(self, embeds, pool_seeds.flatten(), pool_prompts, num_steps=sol.stage1_steps,
                                                 guidance_scale=s.guidance_scale, prompt_index=index,
-                                                batch_size=sol.stage1_batch_size or cfg.rollout.sample_batch_size)
+                                                batch_size=sol.stage1_batch_size or cfg.rollout.sample_batch_size,
+                                                groups=index + mine.start, group_size=n)  # a group: a prompt's pool
         info["time/stage1"] = time.perf_counter() - t0
         rewards = self.check_rewards(rewards, iteration).float().reshape(len(prompts), n)
         rewards = _fill_nonfinite(rewards)
@@ -183,7 +187,7 @@ class TwoStageRollout:
         with self.sampling_policy():
             _, _, full, _ = sample_and_score(self, embeds, pool_seeds.flatten(), pool_prompts, num_steps=s.num_steps,
                                              guidance_scale=s.guidance_scale, batch_size=self.cfg.rollout.sample_batch_size,
-                                             prompt_index=index)
+                                             prompt_index=index, groups=index, group_size=self.sol.pool_size)
         full = full.float().reshape(stage1.shape)
         k = max(1, self.cfg.rollout.group_size // 2)
         taus = [kendall_tau(stage1[i], full[i]) for i in range(len(full))]
@@ -253,10 +257,12 @@ class SolRLTrainer(TwoStageRollout, DiffusionNFTTrainer):
         one = self.stage_one(iteration)
         sample_prompts = [p for p in one.prompts for _ in range(k)]
         embeds = self.adapter.encode_prompts(one.prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(k)
+        groups = torch.arange(one.mine.start, one.mine.start + len(one.prompts)).repeat_interleave(k)
         t0 = time.perf_counter()
         with self.sampling_policy():
             x0, images, rewards, info = sample_and_score(self, embeds, one.selected_seeds, sample_prompts, num_steps=s.num_steps,
-                                                         guidance_scale=s.guidance_scale, batch_size=cfg.rollout.sample_batch_size)
+                                                         guidance_scale=s.guidance_scale, batch_size=cfg.rollout.sample_batch_size,
+                                                         groups=groups, group_size=k)
         info = self.gather_info(info)
         info["time/stage2"] = time.perf_counter() - t0
         info.update(one.info)
@@ -313,6 +319,7 @@ class SolRLGRPOTrainer(TwoStageRollout, FlowGRPOTrainer):
         sde_mask = sde_window_mask(s.num_steps, s.window_size, mode=s.window_mode, start=s.window_start, iteration=iteration,
                                    slide_every=s.window_slide_every, stride=s.window_stride, generator=self.generator)
         embeds = self.adapter.encode_prompts(one.prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(k)
+        groups = torch.arange(one.mine.start, one.mine.start + len(one.prompts)).repeat_interleave(k)
         t0 = time.perf_counter()
         trajs, futures = [], []
         bs = cfg.rollout.sample_batch_size
@@ -323,7 +330,7 @@ class SolRLGRPOTrainer(TwoStageRollout, FlowGRPOTrainer):
                                      guidance_scale=s.guidance_scale, resolution=self.resolution, batch_size=bs,
                                      kernel=self.kernel, sde_mask=sde_mask, keep_latents=True)
             trajs.append(traj)
-            futures.append(self.score_async(traj.images, sample_prompts[rows]))
+            futures.append(self.score_async(traj.images, sample_prompts[rows], groups[rows], k))
         results = [f.result() for f in futures]
         rewards = torch.cat([r for r, _ in results]) if results else torch.empty(0)
         info = self.gather_info(reward_info(results))

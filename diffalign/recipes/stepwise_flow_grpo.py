@@ -5,7 +5,7 @@ Per prompt a group of G SDE rollouts (the CPS / "DDIM-inspired" kernel by defaul
 At every visited state the clean estimate (Tweedie, refined by ``algorithm.tweedie_substeps`` K
 ODE substeps) is decoded; the final state uses the real sample. All ``T + 1`` images of a rollout
 chunk go to the reward in **one** call (in a worker thread that overlaps the next chunk's
-sampling when ``rollout.overlap_rewards``), so an iteration makes one reward call per chunk of
+sampling when ``reward.async``), so an iteration makes one reward call per chunk of
 ``rollout.sample_batch_size`` samples. Gains ``g_t = r_{t+1} - r_t`` are z-scored jointly over a
 group's gains (or per step) by :mod:`diffalign.algorithms.stepwise_flow_grpo`, and every trained step gets
 its own advantage in Flow-GRPO's clipped loss (:class:`~diffalign.recipes._transitions.TransitionTrainer`).

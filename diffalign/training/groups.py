@@ -27,6 +27,7 @@ class GroupRollout:
     n_local: int
     n_global: int
     first: int  # global id of this process's first sample
+    group_ids: torch.Tensor  # (n_local,) global id of each sample's prompt group (what the reward is told)
     sde_mask: torch.Tensor  # (num_steps,) bool: which steps are SDE steps this iteration
     noise: torch.Tensor  # (n_local, *latent) initial noise
     step_noise: torch.Tensor | None  # (n_local, num_steps, *latent) per-step SDE noise (None: not drawn)
@@ -59,7 +60,9 @@ def plan_group_rollout(cfg, iteration: int, *, adapter, prompt_sampler, generato
     step_noise = torch.randn((n_global, s.num_steps, *latent), generator=generator)[local] if with_step_noise else None
     embeds = adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
     schedule = adapter.make_schedule(s.num_steps, resolution, resolution)
-    return GroupRollout(prompts, sample_prompts, n_local, n_global, rank * n_local, sde_mask, noise, step_noise, embeds, schedule)
+    first = rank * n_local
+    group_ids = torch.arange(first, first + n_local) // group
+    return GroupRollout(prompts, sample_prompts, n_local, n_global, first, group_ids, sde_mask, noise, step_noise, embeds, schedule)
 
 
 def sample_group_chunks(trainer, plan: GroupRollout, sampler: Callable = sample_linear, **options) -> Iterator[tuple[slice, object]]:

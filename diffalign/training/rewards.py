@@ -1,13 +1,20 @@
-"""Calling the reward during training: output checks, a worker thread, non-finite rewards.
+"""Calling the reward during training: output checks, a worker thread, whole groups, non-finite rewards.
 
-The reward protocol is ``images, prompts, metadata -> (B,)`` (:mod:`reward_models`);
-:class:`RewardPool` scores one batch while the next one is sampled (``rollout.overlap_rewards``)
-and counts non-finite rewards (``reward.nonfinite``: stop, or leave them for masking).
+The reward protocol is ``images, prompts, metadata -> (B,)`` (:mod:`reward_models`).
+:class:`RewardPool` scores a rollout's chunks as they are sampled: with ``reward.async`` on one
+worker thread, so that chunk k is scored while chunk k+1 of the same iteration samples, else
+before the next chunk samples; both give the same rewards (the same calls on the same inputs,
+made in the same order). It hands each image's prompt group to the reward (``metadata["group"]``)
+and, for a reward that compares the images of a group (``groupwise``, e.g. ``pairwise``), holds
+chunks back until their groups are whole. Non-finite rewards are counted (``reward.nonfinite``:
+stop, or leave them for masking).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -52,7 +59,7 @@ def reward_info(results: Sequence[tuple[torch.Tensor, dict]]) -> dict[str, float
 
 
 class Done:
-    """A finished 'future' (used when reward overlap is off)."""
+    """A finished 'future' (the synchronous path)."""
 
     def __init__(self, value):
         self.value = value
@@ -61,26 +68,111 @@ class Done:
         return self.value
 
 
+class Share:
+    """One chunk's part of a reward call that scored several chunks at once (whole groups): rows
+    ``rows`` of the call's rewards; the call's info goes to its first chunk only (so that
+    :func:`reward_info` counts it once)."""
+
+    def __init__(self, pool: "RewardPool"):
+        self.pool = pool
+        self.call = None  # the future of the call that scores this chunk, once its groups are whole
+        self.rows = slice(0)
+        self.first = False
+
+    def result(self):
+        if self.call is None:  # asked for before its groups were whole: the rollout is over
+            self.pool.release(final=True)
+        rewards, info = self.call.result()
+        return rewards[self.rows], (info if self.first else {})
+
+
+@dataclass
+class _Held:
+    """A chunk waiting for the rest of its groups."""
+
+    images: torch.Tensor
+    prompts: list[str]
+    groups: torch.Tensor  # (B,) group id of each image
+    group_size: int
+    share: Share
+
+
 class RewardPool:
-    """Runs ``score(images, prompts) -> (rewards (B,), info)`` now or on one worker thread.
+    """Runs ``score(images, prompts, metadata) -> (rewards (B,), info)`` now or on one worker thread.
 
-    ``stats`` is the trainer's counter dict (``nonfinite_rewards`` is counted here)."""
+    ``asynchronous``: ``reward.async``. ``groupwise``: the reward compares the images of a group,
+    so chunks are held back until each of their groups is whole and scored together. ``stats`` is
+    the trainer's counter dict (``nonfinite_rewards`` is counted here)."""
 
-    def __init__(self, score: Callable, *, overlap: bool, reward_name: str, nonfinite: str, stats: dict):
+    def __init__(self, score: Callable, *, asynchronous: bool, reward_name: str, nonfinite: str, stats: dict,
+                 groupwise: bool = False):
         self.score = score
-        self.overlap = overlap
+        self.asynchronous = asynchronous
+        self.groupwise = groupwise
         self.reward_name = reward_name
         self.nonfinite = nonfinite
         self.stats = stats
         self.pool: Optional[ThreadPoolExecutor] = None
+        self.held: list[_Held] = []
+        self.failed = False  # a call on the worker failed: later queued calls are not made (as in the synchronous path)
 
-    def submit(self, images: torch.Tensor, prompts: list[str]):
-        """Score on the worker thread (overlaps the next batch's sampling), or now when overlap is off."""
-        if not self.overlap:
-            return Done(self.score(images, prompts))
+    def submit(self, images: torch.Tensor, prompts: list[str], groups: Optional[torch.Tensor] = None,
+               group_size: Optional[int] = None):
+        """Score one chunk (``groups``: (B,) prompt-group id of each image, ``group_size`` images
+        per group); returns a future-like object whose ``result()`` is (rewards (B,), info)."""
+        images = images.cpu()  # the reward gets the same CPU images on either path and moves them to its device
+        if not self.groupwise:
+            return self._call(images, list(prompts), groups)
+        if groups is None or group_size is None:
+            raise RewardError(f"reward {self.reward_name!r} compares the images of a prompt group, but this rollout "
+                              "passes no groups (see docs/rewards.md#pairwise-preference-rewards for the methods it runs with)")
+        share = Share(self)
+        self.held.append(_Held(images, list(prompts), groups.cpu(), int(group_size), share))
+        self.release(final=False)
+        return share
+
+    def release(self, *, final: bool) -> None:
+        """Score the longest run of held chunks whose groups are all whole (``final``: all of them,
+        which must be whole: a group left incomplete at the end of a rollout is a caller's error)."""
+        counts: Counter = Counter()
+        end = 0
+        for i, held in enumerate(self.held):
+            counts.update(held.groups.tolist())
+            if all(n >= held.group_size for n in counts.values()):
+                end = i + 1
+        if final and end < len(self.held):
+            short = {g: n for g, n in counts.items() if n < self.held[0].group_size}
+            raise ValueError(f"reward {self.reward_name!r}: groups {sorted(short)} ended with fewer images than their group size")
+        if not end:
+            return
+        chunks, self.held = self.held[:end], self.held[end:]
+        call = self._call(torch.cat([c.images for c in chunks]), [p for c in chunks for p in c.prompts],
+                          torch.cat([c.groups for c in chunks]))
+        start = 0
+        for i, chunk in enumerate(chunks):
+            n = len(chunk.prompts)
+            chunk.share.call, chunk.share.rows, chunk.share.first = call, slice(start, start + n), i == 0
+            start += n
+
+    def _call(self, images: torch.Tensor, prompts: list[str], groups: Optional[torch.Tensor]):
+        metadata = [{} for _ in prompts] if groups is None else [{"group": int(g)} for g in groups]
+        if not self.asynchronous:
+            return Done(self.score(images, prompts, metadata))
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        return self.pool.submit(self.score, images.cpu(), prompts)
+        return self.pool.submit(self._scored, images, prompts, metadata)
+
+    def _scored(self, images, prompts, metadata):
+        """A call on the worker thread. After a failure the calls queued behind it are not made:
+        the synchronous path would have stopped before sampling their chunks, and a call made here
+        would count failures (``reward.max_failures``) that it never counts."""
+        if self.failed:
+            raise RewardFailures(f"reward {self.reward_name!r}: not scored after an earlier failed call")
+        try:
+            return self.score(images, prompts, metadata)
+        except BaseException:
+            self.failed = True
+            raise
 
     def check(self, rewards: torch.Tensor, iteration: int) -> torch.Tensor:
         """Count non-finite rewards; stop (``reward.nonfinite=error``) or leave them for masking."""
@@ -95,7 +187,10 @@ class RewardPool:
         return rewards
 
     def shutdown(self) -> None:
-        """Wait for the worker thread and let it go (a later :meth:`submit` starts a new one)."""
+        """Wait for the worker thread and let it go (a later :meth:`submit` starts a new one); drop
+        held chunks and forget a failure (a resumed or repeated iteration starts clean)."""
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
+        self.held = []
+        self.failed = False
