@@ -252,9 +252,9 @@ class TrainConfig:
     # 1 = optimizer states sharded, 2 = optimizer states and gradients sharded. Launching with
     # configs/accelerate/deepspeed_zero2.yaml sets it from the accelerate config.
     zero_stage: int = 0
-    # FSDP (torch fully_shard): weights, gradients and optimizer states sharded per denoiser block
+    # FSDP2 (torch fully_shard): weights, gradients and optimizer states sharded per denoiser block
     # (full fine-tuning of a model too large for one device). Launching with
-    # configs/accelerate/fsdp.yaml sets it. Flow-GRPO and Stepwise-Flow-GRPO for now.
+    # configs/accelerate/fsdp.yaml (fsdp_version: 2) sets it. Recipes with supports_fsdp only.
     fsdp: bool = False
     attention: Literal["default", "xformers"] = "default"  # xformers: memory-efficient attention (CUDA + xformers)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -217,7 +218,47 @@ def fsdp_requested(fsdp: bool, zero_stage: int = 0) -> bool:
     return on
 
 
-def shard_denoiser(denoiser: torch.nn.Module, device: torch.device, world: int) -> list:
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def _env_flag(name: str, default: bool, key: str) -> bool:
+    value = os.environ.get(name, str(default)).strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ConfigError(f"the accelerate FSDP config sets {key}: {value!r}; diffalign's FSDP2 needs true or false")
+    return value in _TRUE
+
+
+@dataclass(frozen=True)
+class FsdpSettings:
+    """What diffalign takes from an accelerate FSDP2 config (``fsdp_config``)."""
+
+    reshard_after_forward: bool = True  # free the gathered weights of a block after its forward (re-gathered for backward)
+
+
+def fsdp_settings() -> FsdpSettings:
+    """The FSDP settings of this launch. accelerate's launcher turns an FSDP config's ``fsdp_config``
+    into ``FSDP_*`` variables (the same ones its own FullyShardedDataParallelPlugin reads); under
+    ``train.fsdp`` with another launch there are none and the defaults hold. diffalign shards with
+    torch's ``fully_shard`` (FSDP2) itself, so ``fsdp_version`` 1 and the keys that would change what
+    is computed or stored without diffalign doing it (parameter offload, FSDP's activation
+    checkpointing) are refused with one line rather than ignored."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return FsdpSettings()
+    version = os.environ.get("FSDP_VERSION", "1")  # accelerate's default when the config has no fsdp_version
+    if version != "2":
+        raise ConfigError(f"the accelerate FSDP config asks for fsdp_version {version}; diffalign shards with FSDP2 "
+                          "(torch's fully_shard): set fsdp_version: 2 (as configs/accelerate/fsdp.yaml does)")
+    if _env_flag("FSDP_OFFLOAD_PARAMS", False, "fsdp_offload_params"):
+        raise ConfigError("the accelerate FSDP config sets fsdp_offload_params: true; diffalign's FSDP keeps the "
+                          "parameters on the device (set it to false)")
+    if _env_flag("FSDP_ACTIVATION_CHECKPOINTING", False, "fsdp_activation_checkpointing"):
+        raise ConfigError("the accelerate FSDP config sets fsdp_activation_checkpointing: true; set it to false and "
+                          "use the run config key 'train.gradient_checkpointing' instead")
+    return FsdpSettings(reshard_after_forward=_env_flag("FSDP_RESHARD_AFTER_FORWARD", True, "fsdp_reshard_after_forward"))
+
+
+def shard_denoiser(denoiser: torch.nn.Module, device: torch.device, world: int,
+                   settings: FsdpSettings = FsdpSettings()) -> list:
     """``fully_shard`` every block of the denoiser's block lists, then the denoiser itself. Returns
     the FSDP units. Gradients are summed over processes (diffalign normalises losses globally)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -229,9 +270,9 @@ def shard_denoiser(denoiser: torch.nn.Module, device: torch.device, world: int) 
         if isinstance(child, torch.nn.ModuleList):
             for block in child:
                 if any(True for _ in block.parameters()):
-                    fully_shard(block, mesh=mesh)
+                    fully_shard(block, mesh=mesh, reshard_after_forward=settings.reshard_after_forward)
                     units.append(block)
-    fully_shard(denoiser, mesh=mesh)
+    fully_shard(denoiser, mesh=mesh, reshard_after_forward=settings.reshard_after_forward)
     units.append(denoiser)
     for unit in units:
         unit.set_gradient_divide_factor(1.0)

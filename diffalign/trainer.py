@@ -89,6 +89,8 @@ class Trainer:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.mixed_precision = cfg.train.resolved_mixed_precision(device)
         allow_precision(self.mixed_precision)
+        if distributed.fsdp_requested(cfg.train.fsdp, cfg.train.zero_stage):
+            distributed.fsdp_settings()  # FSDP1 and unapplied keys stop before accelerate builds its FSDP plugin
         self.accelerator = Accelerator(mixed_precision=self.mixed_precision, cpu=device.type == "cpu",
                                        log_with=tracking.log_with(cfg) or None)
         runs.check_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)  # every process: same verdict

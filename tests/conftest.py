@@ -47,3 +47,16 @@ def shared_run(tmp_path_factory):
         return runs[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def flow_grpo_reference(tmp_path_factory, shared_run):
+    """The initial weights and the one-process run of tests/helpers/compare.py's FLOW_GRPO (two prompts
+    per iteration) that the Flow-GRPO comparisons of several processes, nodes or FSDP compare against."""
+    from tests.helpers.compare import FLOW_GRPO
+    from tests.helpers.launch import start_run
+
+    start = tmp_path_factory.mktemp("flow_grpo") / "start"
+    start_run(["-m", "diffalign.cli", "train", *FLOW_GRPO], start)
+    one, _ = shared_run(["-m", "diffalign.cli", "train", *FLOW_GRPO, "rollout.prompts_per_iteration=2"])
+    return start, one

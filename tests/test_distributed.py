@@ -13,30 +13,18 @@ import json
 
 import pytest
 
-from tests.helpers.compare import COMPARABLE, OTHER_ALGORITHMS, REL, SHORT_RUN, assert_same_update, weights
-from tests.helpers.launch import launch, start_run
+from tests.helpers.compare import FLOW_GRPO, OTHER_ALGORITHMS, REL, SHORT_RUN, assert_same_update, weights
+from tests.helpers.launch import launch, launch_nodes, start_run
 from tests.helpers.tiny_run import train_records
 
 # SGD steps are lr x gradient and the policy gradients of the tiny models are small (~1e-4 for
-# Flow-GRPO): each learning rate below and in tests/helpers/compare.py's OTHER_ALGORITHMS moves the
-# weights by about 1e-2 in two iterations.
-COMMON = ["configs/tiny/flow_grpo_sd3.yaml", "max_iterations=2", "log.progress_bar=false", "log.report=false",
-          "eval.at_start=false", "sampling.eval_num_steps=2", "train.ema.enabled=false", "optim.lr=50",
-          "train.batch_size=64", *COMPARABLE]
-
-
-@pytest.fixture(scope="module")
-def flow_grpo_reference(tmp_path_factory, shared_run):
-    """The initial weights and the one-process run both Flow-GRPO comparisons below compare against."""
-    start = tmp_path_factory.mktemp("flow_grpo") / "start"
-    start_run(["-m", "diffalign.cli", "train", *COMMON], start)
-    one, _ = shared_run(["-m", "diffalign.cli", "train", *COMMON, "rollout.prompts_per_iteration=2"])
-    return start, one
+# Flow-GRPO): each learning rate in tests/helpers/compare.py's FLOW_GRPO and OTHER_ALGORITHMS moves
+# the weights by about 1e-2 in two iterations.
 
 
 def test_two_processes_match_one(repo_root, tmp_path, flow_grpo_reference):
     (start, one), two = flow_grpo_reference, tmp_path / "two"
-    launch(["-m", "diffalign.cli", "train", *COMMON, f"output_dir={two}", "rollout.prompts_per_iteration=1"], repo_root, nproc=2)
+    launch(["-m", "diffalign.cli", "train", *FLOW_GRPO, f"output_dir={two}", "rollout.prompts_per_iteration=1"], repo_root, nproc=2)
     a, b = train_records(one), train_records(two)
     # same samples and rewards, hence the same advantages (up to rounding from the second iteration)
     for key in ("reward_mean", "advantage_abs_mean"):
@@ -44,11 +32,26 @@ def test_two_processes_match_one(repo_root, tmp_path, flow_grpo_reference):
     assert_same_update(weights(start), weights(one), weights(two), rel=REL, min_update=1e-3)
 
 
+def test_two_nodes_match_one_process(repo_root, tmp_path, flow_grpo_reference):
+    """Two nodes on loopback: one accelerate launcher per node with the shipped
+    configs/accelerate/multi_node_ddp.yaml (--num_machines 2, --machine_rank 0 and 1, rendezvous at
+    127.0.0.1), one gloo process each, train the same update as one process."""
+    (start, one), two = flow_grpo_reference, tmp_path / "nodes"
+    outputs = launch_nodes("configs/accelerate/multi_node_ddp.yaml",
+                           ["-m", "diffalign.cli", "train", *FLOW_GRPO, f"output_dir={two}", "rollout.prompts_per_iteration=1"],
+                           repo_root, tmp_path / "logs", timeout=240)
+    # the main process is node 0's and trains in a world of both nodes' processes
+    assert "processes 2," in outputs[0] and "diffalign: flow_grpo" not in outputs[1]
+    a, b = train_records(one), train_records(two)
+    assert [r["reward_mean"] for r in b] == pytest.approx([r["reward_mean"] for r in a], rel=1e-3)
+    assert_same_update(weights(start), weights(one), weights(two), rel=REL, min_update=1e-3)
+
+
 def test_a_lost_sample_fails_the_comparison(repo_root, tmp_path, flow_grpo_reference):
     """The comparison catches a sharding defect: two processes where the second leaves one of its
     samples out of the update (tests/drop_sample_worker.py) do not match one process."""
     (start, one), two = flow_grpo_reference, tmp_path / "two"
-    launch(["tests/drop_sample_worker.py", *COMMON, f"output_dir={two}", "rollout.prompts_per_iteration=1"], repo_root, nproc=2)
+    launch(["tests/drop_sample_worker.py", *FLOW_GRPO, f"output_dir={two}", "rollout.prompts_per_iteration=1"], repo_root, nproc=2)
     with pytest.raises(AssertionError, match="apart"):
         assert_same_update(weights(start), weights(one), weights(two), rel=REL, min_update=1e-3)
 

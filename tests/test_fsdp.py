@@ -10,13 +10,14 @@ second: -1.6e-9 vs +1.8e-9, where the largest element is 0.13. AdamW normalises 
 steps of +7.4e-4 and -8.3e-4."""
 
 import json
+import os
 
 import pytest
 import torch
 
 from diffalign.cli import main as cli_main
-from tests.helpers.compare import COMPARABLE, OTHER_ALGORITHMS, REL, SHORT_RUN, assert_same_update, weights
-from tests.helpers.launch import launch as run, start_run
+from tests.helpers.compare import COMPARABLE, FLOW_GRPO, OTHER_ALGORITHMS, REL, SHORT_RUN, assert_same_update, weights
+from tests.helpers.launch import accelerate_launch, launch as run, start_run
 from tests.helpers.tiny_run import train_records
 
 # SGD steps are lr x gradient: lr 2 moves the full fine-tuning's EMA weights by ~1.5e-3 in three iterations
@@ -92,6 +93,59 @@ def test_fsdp_accelerate_config_makes_an_fsdp_run(monkeypatch):
     cfg.train.zero_stage = 2
     with pytest.raises(ConfigError, match="exclude each other"):
         distributed.fsdp_requested(cfg.train.fsdp, cfg.train.zero_stage)
+
+
+def _launch_env(monkeypatch, launcher: list[str]) -> None:
+    """The environment accelerate's launcher gives its processes for ``launcher`` (its flags), set here."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env
+
+    for key in [k for k in os.environ if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"]:
+        monkeypatch.delenv(key)
+    args = launch_command_parser().parse_args([*launcher, "train.py"])
+    for key, value in prepare_multi_gpu_env(_validate_launch_command(args)[0]).items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("launcher, reshard", [
+    (["--config_file", "configs/accelerate/fsdp.yaml"], True),
+    (["--config_file", "configs/accelerate/cpu_fsdp2.yaml"], True),
+    (["--config_file", "configs/accelerate/cpu_fsdp2.yaml", "--fsdp_reshard_after_forward", "false"], False),
+])
+def test_fsdp2_settings_come_from_the_accelerate_config(monkeypatch, launcher, reshard):
+    from diffalign import distributed
+
+    _launch_env(monkeypatch, launcher)
+    assert distributed.fsdp_requested(False) and distributed.fsdp_settings().reshard_after_forward is reshard
+
+
+@pytest.mark.parametrize("launcher, key", [
+    (["--use_fsdp", "--num_processes", "2"], "fsdp_version 1"),  # accelerate's default version
+    (["--config_file", "configs/accelerate/cpu_fsdp2.yaml", "--fsdp_version", "1"], "fsdp_version 1"),
+    (["--config_file", "configs/accelerate/cpu_fsdp2.yaml", "--fsdp_offload_params", "true"], "fsdp_offload_params"),
+    (["--config_file", "configs/accelerate/cpu_fsdp2.yaml", "--fsdp_activation_checkpointing", "true"], "train.gradient_checkpointing"),
+])
+def test_fsdp_settings_diffalign_does_not_apply_exit_2(tmp_path, capsys, monkeypatch, launcher, key):
+    """An accelerate FSDP config that asks for FSDP1 or for what diffalign's FSDP2 does not do stops
+    with one line (a single process reads the settings too, before anything is trained)."""
+    _launch_env(monkeypatch, launcher)
+    out = tmp_path / "run"
+    code = cli_main(["train", "configs/tiny/flow_grpo_sd3.yaml", f"output_dir={out}", "max_iterations=1", "log.progress_bar=false"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error:") and key in err
+
+
+def test_fsdp2_accelerate_launch_matches_one_process(repo_root, tmp_path, flow_grpo_reference):
+    """accelerate launch with configs/accelerate/cpu_fsdp2.yaml (FSDP2 over two gloo processes, each
+    block's weights kept gathered from forward to backward) trains the same update as one process."""
+    (start, one), two = flow_grpo_reference, tmp_path / "fsdp2"
+    res = accelerate_launch(["--config_file", "configs/accelerate/cpu_fsdp2.yaml", "--fsdp_reshard_after_forward", "false"],
+                            ["-m", "diffalign.cli", "train", *FLOW_GRPO, f"output_dir={two}", "rollout.prompts_per_iteration=1"],
+                            repo_root, timeout=300)
+    assert "FSDP: 3 units over 2 processes (weights kept gathered between forward and backward)" in res.stderr
+    assert [r["reward_mean"] for r in train_records(two)] == pytest.approx([r["reward_mean"] for r in train_records(one)], rel=1e-3)
+    assert_same_update(weights(start), weights(one), weights(two), rel=REL, min_update=1e-3)
 
 
 def test_fsdp_stepwise_flow_grpo_matches_data_parallel(repo_root, tmp_path):

@@ -90,9 +90,11 @@ class Backend:
         if fsdp and not supports_fsdp:
             raise ConfigError(f"config key 'train.fsdp': algorithm {cfg.algorithm.name!r} does not support FSDP yet "
                               "(flow_grpo and stepwise_flow_grpo do); use train.zero_stage=2")
+        settings = distributed.fsdp_settings() if fsdp else None  # read with one process too: bad settings stop anyway
         if fsdp and accelerator.num_processes > 1:  # one process: nothing to shard
-            self.fsdp_units = distributed.shard_denoiser(denoiser, device, accelerator.num_processes)
-            log(f"FSDP: {len(self.fsdp_units)} units over {accelerator.num_processes} processes")
+            self.fsdp_units = distributed.shard_denoiser(denoiser, device, accelerator.num_processes, settings)
+            log(f"FSDP: {len(self.fsdp_units)} units over {accelerator.num_processes} processes"
+                f"{'' if settings.reshard_after_forward else ' (weights kept gathered between forward and backward)'}")
         self.trainable_names = [n for n, p in denoiser.named_parameters() if p.requires_grad]
         self.trainable = [p for p in denoiser.parameters() if p.requires_grad]
         if not self.trainable:

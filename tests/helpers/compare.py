@@ -23,6 +23,13 @@ COMPARABLE = ["optim.name=sgd", "optim.momentum=0.9", "reward.name=brightness", 
 LORA = "final/pytorch_lora_weights.safetensors"
 REL = 1e-3  # largest weight difference from the one-process run allowed, in units of the update
 
+# Flow-GRPO on tiny SD3, the runs of tests/test_distributed.py and tests/test_fsdp.py that the conftest
+# fixture flow_grpo_reference trains once: lr 50 moves the weights by about 1e-2 in two iterations
+# (SGD steps are lr x gradient, and Flow-GRPO's gradients are ~1e-4); prompts_per_iteration is set per run
+FLOW_GRPO = ["configs/tiny/flow_grpo_sd3.yaml", "max_iterations=2", "log.progress_bar=false", "log.report=false",
+             "eval.at_start=false", "sampling.eval_num_steps=2", "train.ema.enabled=false", "optim.lr=50",
+             "train.batch_size=64", *COMPARABLE]
+
 # the other recipes' comparisons (tests/test_distributed.py, tests/test_fsdp.py): two iterations, no evaluations, no checkpoints
 SHORT_RUN = [*FAST, "train.ema.enabled=false", "max_iterations=2", "eval.every=0", "checkpoint.every=0", *COMPARABLE, "--overwrite"]
 # (config, overrides for both, one process, two processes): the same global batch either way

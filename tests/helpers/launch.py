@@ -1,10 +1,14 @@
 """Run a Python command in a subprocess: one process, or ``nproc`` CPU processes over gloo
-(torch.distributed.run on a free loopback port)."""
+(torch.distributed.run on a free loopback port), or through accelerate's launcher: on one node, or
+on several nodes simulated by one launcher each on 127.0.0.1."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -13,9 +17,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _env(cwd) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(cwd))
+
+
 def launch(args: list[str], cwd, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
     """``python ARGS`` (``-m module ...`` or ``script ...``); asserts exit code 0 and shows stderr if not."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(cwd))
+    env = _env(cwd)
     cmd = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                                                "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
     res = subprocess.run(cmd + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -39,3 +47,55 @@ def start_run(args: list[str], out) -> None:
         fsdp_worker.main(str(out), *args[1:], "max_iterations=0")
     else:
         raise ValueError(f"not a training command: {args[:3]}")
+
+
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]  # ``accelerate launch`` of this interpreter
+
+
+def accelerate_launch(launcher: list[str], args: list[str], cwd, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``accelerate launch LAUNCHER ARGS`` (``launcher``: its own flags, e.g. ``--config_file``) on one
+    node; asserts exit code 0."""
+    res = subprocess.run([*ACCELERATE, *launcher, *args], cwd=cwd, env=_env(cwd), capture_output=True, text=True,
+                         timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def launch_nodes(config: str, args: list[str], cwd, logs: Path, nodes: int = 2, procs_per_node: int = 1,
+                 timeout: int = 300) -> list[str]:
+    """``nodes`` machines simulated on loopback: one ``accelerate launch --config_file CONFIG
+    --num_machines NODES --machine_rank R --main_process_ip 127.0.0.1 ...`` per node, started together,
+    each starting ``procs_per_node`` processes. Returns each node's output (stdout and stderr, also
+    written to ``logs/nodeR.log``). A node that fails or a run past ``timeout`` seconds ends every
+    node's process group (a node left alone waits for its peers) and fails the assertion."""
+    logs.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs, files = [], []
+    for rank in range(nodes):
+        cmd = [*ACCELERATE, "--config_file", config, "--num_machines", str(nodes), "--machine_rank", str(rank),
+               "--num_processes", str(nodes * procs_per_node), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", str(port), *args]
+        files.append(open(logs / f"node{rank}.log", "w"))
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=_env(cwd), stdout=files[-1], stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # its own process group: ended with its workers
+    deadline, failed = time.monotonic() + timeout, None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            if failed is not None or all(code == 0 for code in codes):
+                break
+            if time.monotonic() > deadline:
+                failed = f"timeout after {timeout} s"
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for f in files:
+            f.close()
+    outputs = [(logs / f"node{rank}.log").read_text() for rank in range(nodes)]
+    assert failed is None, f"{nodes}-node run failed ({failed}):\n" + "\n".join(f"--- node {r}:\n{o[-2000:]}" for r, o in enumerate(outputs))
+    return outputs
