@@ -36,6 +36,7 @@ FAMILIES: dict[str, str] = {
     "qwen": "diffalign.adapters.qwen:QwenImageAdapter",
     "flux2": "diffalign.adapters.flux2:Flux2Adapter",
     "wan": "diffalign.adapters.wan:WanAdapter",
+    "zimage": "diffalign.adapters.zimage:ZImageAdapter",
     "shapes": "diffalign.adapters.shapes:ShapesAdapter",
 }
 
@@ -49,6 +50,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "QwenImagePipeline": "qwen",
     "Flux2KleinPipeline": "flux2",
     "WanPipeline": "wan",
+    "ZImagePipeline": "zimage",
     "ShapesPipeline": "shapes",
 }
 
