@@ -181,7 +181,7 @@ class ModelAdapter(ABC):
         low-precision copy), in place of the denoiser in the pipeline for the duration of the
         block; a denoiser of several parts is replaced by ``module``'s children of the same names."""
         parts = self.denoiser_parts()
-        replacement = {name: module} if len(parts) == 1 else {name: getattr(module, name) for name in parts}
+        replacement = {name: module if len(parts) == 1 else getattr(module, name) for name in parts}
         for name, part in replacement.items():
             setattr(self.pipeline, name, part)
         try:
