@@ -89,6 +89,8 @@ def save_trained_weights(adapter: ModelAdapter, out_dir: Path, *, lora: bool, me
         else:
             adapter.pipeline.save_pretrained(str(tmp))
             scrub_local_paths(tmp, str(metadata.get("base_model", "")))
+        if lora and len(adapter.denoiser_parts()) > 1:  # Wan2.2: which file holds which expert's LoRA
+            metadata = {**metadata, "lora_files": lora_files(adapter)}
         (tmp / METADATA_FILE).write_text(json.dumps({"format": "lora" if lora else "full", **metadata}, indent=2, default=str))
         _publish(tmp, out_dir)
     except BaseException:

@@ -251,6 +251,9 @@ def test_train_one_iteration(tmp_path, name):
     assert sorted(f.name for f in (out / "final").glob("*.safetensors")) == files
     for f in files:  # every expert's LoRA moved away from its zero-initialised B
         assert any(v.any() for k, v in load_file(str(out / "final" / f)).items() if "lora_B" in k), f
+    if name == "wan22":  # the export and its model card load each file into its expert
+        assert json.loads((out / "final" / "diffalign.json").read_text())["lora_files"] == {
+            "transformer": files[0], "transformer_2": files[1]}
     trained = load_trained_adapter(out)  # diffusers' own load_lora_weights (load_into_transformer_2 for the second)
     base = load_adapter("tiny:zimage") if name == "zimage" else load_adapter("tiny:wan", boundary_ratio=0.875, num_frames=5)
     e = base.encode_prompts(PROMPTS, with_uncond=False)
@@ -259,6 +262,12 @@ def test_train_one_iteration(tmp_path, name):
     with torch.no_grad():
         moved = (trained.predict(x, t, e) - base.predict(x, t, e)).flatten(1).abs().amax(1)
     assert (moved > 0).all()
+    if name == "wan22":  # `diffalign export --format merged` fuses the LoRA of both experts
+        from diffalign.export import merged_adapter
+
+        with torch.no_grad():
+            fused = merged_adapter(out).predict(x, t, e)
+            torch.testing.assert_close(fused, trained.predict(x, t, e), rtol=1e-4, atol=1e-5)
 
 
 # ---- SD3.5 Large: the sd3 adapter and its recipe -----------------------------------------
@@ -296,3 +305,13 @@ def test_sd35_large_recipe_validates(tmp_path, capsys):
     assert "stabilityai/stable-diffusion-3.5-large" in out and "images_per_iteration=144" in out
     cfg = load_config(ROOT / recipe)
     assert cfg.model.family == "sd3" and cfg.train.gradient_checkpointing and cfg.algorithm.name == "flow_grpo"
+
+
+def test_wan22_loading_snippet_loads_both_experts():
+    from diffalign.hub import loading_snippet
+
+    meta = {"base_model": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "family": "wan", "lora_files": {
+        "transformer": "pytorch_lora_weights.safetensors", "transformer_2": "pytorch_lora_weights_transformer_2.safetensors"}}
+    code = loading_snippet(meta, "lora", "me/wan22-lora")
+    assert 'pipe.load_lora_weights("me/wan22-lora")\n' in code
+    assert 'pipe.load_lora_weights("me/wan22-lora", weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True)' in code
