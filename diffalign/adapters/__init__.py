@@ -37,6 +37,7 @@ FAMILIES: dict[str, str] = {
     "flux2": "diffalign.adapters.flux2:Flux2Adapter",
     "wan": "diffalign.adapters.wan:WanAdapter",
     "zimage": "diffalign.adapters.zimage:ZImageAdapter",
+    "ltx": "diffalign.adapters.ltx:LTXAdapter",
     "shapes": "diffalign.adapters.shapes:ShapesAdapter",
 }
 
@@ -51,6 +52,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "Flux2KleinPipeline": "flux2",
     "WanPipeline": "wan",
     "ZImagePipeline": "zimage",
+    "LTXPipeline": "ltx",
     "ShapesPipeline": "shapes",
 }
 

@@ -1,11 +1,11 @@
-"""Z-Image and Wan2.2 (two experts) adapters on tiny random pipelines; the SD3.5 Large recipe.
+"""Z-Image, Wan2.2 (two experts) and LTX-Video adapters on tiny random pipelines; SD3.5 Large.
 
 The checks of ``test_adapters_qwen_flux2_wan.py`` (shapes, CFG in one forward, per-sample times,
 save / load, schedule == the pipeline's, a deterministic rollout == the pipeline's own
 ``__call__``) plus what is particular to each: Z-Image's reversed time, negated output and
 unpadded text; Wan2.2's switch between its experts at ``boundary_ratio``, its second CFG scale,
-the LoRA and the swapped copies on both experts, one LoRA file per expert; one training
-iteration of each through the CLI.
+the LoRA and the swapped copies on both experts, one LoRA file per expert; LTX-Video's packed
+video tokens and decode; one training iteration of each through the CLI.
 """
 
 import copy
@@ -21,7 +21,7 @@ from tests.helpers.tiny_run import FAST, run_cli
 
 # Wan2.2 is the `wan` family with two experts; tiny:wan builds them when boundary_ratio is given.
 # 0.7 puts the test times 1.0 and 0.60 (times(): steps 0 and 2 of 4) on different experts.
-BUILDS = {"zimage": ("tiny:zimage", {}), "wan22": ("tiny:wan", {"boundary_ratio": 0.7})}
+BUILDS = {"zimage": ("tiny:zimage", {}), "wan22": ("tiny:wan", {"boundary_ratio": 0.7}), "ltx": ("tiny:ltx", {})}
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
@@ -32,6 +32,7 @@ def adapter(request):
 
 def test_registered():
     assert FAMILIES["zimage"].endswith(":ZImageAdapter") and PIPELINE_FAMILIES["ZImagePipeline"] == "zimage"
+    assert FAMILIES["ltx"].endswith(":LTXAdapter") and PIPELINE_FAMILIES["LTXPipeline"] == "ltx"
     assert PIPELINE_FAMILIES["WanPipeline"] == "wan"  # Wan2.1 and Wan2.2 alike
 
 
@@ -56,7 +57,7 @@ def test_encode_predict_decode_shapes(adapter):
     with torch.no_grad():
         out = adapter.predict(x, times(adapter), e, guidance_scale=3.0)
     assert out.shape == x.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
-    frames = (adapter.num_frames,) if adapter.family == "wan" else ()
+    frames = (adapter.num_frames,) if adapter.family in ("wan", "ltx") else ()
     images = adapter.decode(x)
     assert images.shape == (2, *frames, 3, PX, PX) and images.min() >= 0 and images.max() <= 1
     with pytest.raises(ValueError):
@@ -88,6 +89,7 @@ def test_save_and_load_through_from_pretrained(adapter, tmp_path):
     options = {"max_sequence_length": adapter.max_sequence_length}
     if adapter.family == "wan":
         assert index["boundary_ratio"] == 0.7 and index["transformer_2"][1] == "WanTransformer3DModel"
+    if adapter.family in ("wan", "ltx"):
         options["num_frames"] = adapter.num_frames
     loaded = load_adapter(str(tmp_path), **options)
     assert type(loaded) is type(adapter) and list(loaded.denoiser_parts()) == list(adapter.denoiser_parts())
@@ -98,6 +100,7 @@ def test_save_and_load_through_from_pretrained(adapter, tmp_path):
         theirs = loaded.predict(x, t, loaded.encode_prompts(PROMPTS, with_uncond=True), 3.0)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
     torch.testing.assert_close(loaded.make_schedule(6, PX, PX), adapter.make_schedule(6, PX, PX), rtol=0, atol=0)
+    torch.testing.assert_close(loaded.decode(x), adapter.decode(x), rtol=0, atol=1e-6)
 
 
 # ---- parity with the stock pipelines -----------------------------------------------------
@@ -139,6 +142,44 @@ def test_wan22_sample_across_the_boundary_matches_stock_pipeline():
                                max_sequence_length=a.max_sequence_length).frames
     torch.testing.assert_close(stock, traj.latents[:, -1], rtol=1e-4, atol=1e-4)
     assert (stock - one_scale).abs().max() > 1e-4  # guidance_scale_2 does act on the low-noise steps
+
+
+def test_ltx_sample_and_video_match_stock_pipeline():
+    """A 3-step deterministic rollout == ``LTXPipeline(..., output_type="latent")`` (packed tokens)
+    from the same noise, and its decoded video == the pipeline's ``output_type="pt"`` frames."""
+    from diffalign.sampling import build_kernel, sample_linear
+
+    a = load_adapter("tiny:ltx")
+    steps, g = 3, 3.0
+    x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(7))
+    assert x.shape == (2, 8, 2, PX // 4, PX // 4)  # 5 frames -> 2 latent frames; 4x spatial compression
+    traj = sample_linear(a, build_kernel(a, "flow_grpo", 0.0), a.encode_prompts(PROMPTS, with_uncond=True),
+                         a.make_schedule(steps, PX, PX), torch.zeros(steps, dtype=torch.bool), guidance_scale=g,
+                         height=PX, width=PX, noise=x)
+    call = dict(prompt=PROMPTS, height=PX, width=PX, num_inference_steps=steps, latents=a.pipeline._pack_latents(x),
+                guidance_scale=g, num_frames=a.num_frames, max_sequence_length=a.max_sequence_length)
+    with torch.no_grad():
+        stock = a.pipeline(**call, output_type="latent").frames
+        video = a.pipeline(**call, output_type="pt").frames  # (B, F, 3, H, W) in [0, 1]
+    torch.testing.assert_close(stock, a.pipeline._pack_latents(traj.latents[:, -1]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(video, a.decode(traj.latents[:, -1]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_steps", [1, 10])
+def test_ltx_schedule_matches_the_pipeline(num_steps):
+    import numpy as np
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    a = load_adapter("tiny:ltx")
+    if num_steps == 1:  # shift_terminal: 0 / 0 in the scheduler
+        with pytest.raises(ValueError, match="shift_terminal"):
+            a.make_schedule(num_steps, PX, PX)
+        return
+    stock = type(a.pipeline.scheduler).from_config(a.pipeline.scheduler.config)
+    stock.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=calculate_shift(2 * 8 * 8, 1024, 4096, 0.95, 2.05))
+    torch.testing.assert_close(a.make_schedule(num_steps, PX, PX), stock.sigmas.float(), rtol=0, atol=0)
+    with pytest.raises(ModelLoadError, match="num_frames"):
+        load_adapter("tiny:ltx", num_frames=6)
 
 
 @pytest.mark.parametrize("num_steps", [1, 10])
@@ -233,7 +274,7 @@ def test_wan22_lora_and_swapped_copy_cover_both_experts():
 
 
 # ---- one training iteration through the CLI ----------------------------------------------
-@pytest.mark.parametrize("name", ["zimage", "wan22"])
+@pytest.mark.parametrize("name", ["zimage", "wan22", "ltx"])
 def test_train_one_iteration(tmp_path, name):
     from safetensors.torch import load_file
 
@@ -255,7 +296,8 @@ def test_train_one_iteration(tmp_path, name):
         assert json.loads((out / "final" / "diffalign.json").read_text())["lora_files"] == {
             "transformer": files[0], "transformer_2": files[1]}
     trained = load_trained_adapter(out)  # diffusers' own load_lora_weights (load_into_transformer_2 for the second)
-    base = load_adapter("tiny:zimage") if name == "zimage" else load_adapter("tiny:wan", boundary_ratio=0.875, num_frames=5)
+    base = {"zimage": lambda: load_adapter("tiny:zimage"), "ltx": lambda: load_adapter("tiny:ltx", num_frames=5),
+            "wan22": lambda: load_adapter("tiny:wan", boundary_ratio=0.875, num_frames=5)}[name]()
     e = base.encode_prompts(PROMPTS, with_uncond=False)
     x = base.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(6))
     t = torch.tensor([0.95, 0.3])  # Wan2.2 (boundary 0.875): one row per expert
