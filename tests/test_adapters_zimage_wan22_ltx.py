@@ -116,7 +116,8 @@ def test_zimage_sample_matches_stock_pipeline():
                          a.make_schedule(steps, PX, PX), torch.zeros(steps, dtype=torch.bool), guidance_scale=g,
                          height=PX, width=PX, noise=x)
     with torch.no_grad():
-        stock = a.pipeline(prompt=PROMPTS, height=PX, width=PX, num_inference_steps=steps, output_type="latent",
+        # a copy: ZImagePipeline writes the chat-templated prompts into the list it is given
+        stock = a.pipeline(prompt=list(PROMPTS), height=PX, width=PX, num_inference_steps=steps, output_type="latent",
                            latents=x, guidance_scale=g - 1, max_sequence_length=a.max_sequence_length).images
     torch.testing.assert_close(stock, traj.latents[:, -1], rtol=1e-4, atol=1e-4)
 
