@@ -38,18 +38,33 @@ WIDGET_TILE_PX = 256  # each image of the pair shown this wide (ShapesWorld's 32
 
 
 def denoiser_attr(adapter: ModelAdapter) -> str:
-    """Name of the denoiser in the pipeline's components ("transformer" or "unet")."""
-    for name, module in adapter.pipeline.components.items():
-        if module is adapter.denoiser:
-            return name
-    raise RuntimeError("the adapter's denoiser is not a component of its pipeline")
+    """Name of the denoiser in the pipeline's components ("transformer" or "unet"); for a denoiser
+    of several parts (Wan2.2's experts) the first one's."""
+    return next(iter(adapter.denoiser_parts()))
 
 
-def lora_state_dict(adapter: ModelAdapter) -> dict[str, torch.Tensor]:
-    """The denoiser's LoRA weights in peft naming (as diffusers' ``save_lora_weights`` expects)."""
+def lora_file(part: str, main: str) -> str:
+    """The LoRA file of denoiser part ``part``: diffusers' default name for the ``main`` (first)
+    part, ``pytorch_lora_weights_<part>.safetensors`` for the others (loaded with
+    ``load_lora_weights(folder, weight_name=..., load_into_<part>=True)``, diffusers' way for
+    Wan2.2's ``transformer_2``)."""
+    return LORA_WEIGHTS_FILE if part == main else f"pytorch_lora_weights_{part}.safetensors"
+
+
+def lora_files(adapter: ModelAdapter) -> dict[str, str]:
+    """Denoiser part -> its LoRA file name (one entry but for multi-part denoisers)."""
+    parts = list(adapter.denoiser_parts())
+    return {part: lora_file(part, parts[0]) for part in parts}
+
+
+def lora_state_dict(adapter: ModelAdapter, part: str | None = None) -> dict[str, torch.Tensor]:
+    """The LoRA weights of the denoiser's part ``part`` (its first part by default; the whole
+    denoiser for one-network families) in peft naming, as diffusers' ``save_lora_weights`` expects."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(adapter.denoiser).items()}
+    parts = adapter.denoiser_parts()
+    module = parts[part if part is not None else next(iter(parts))]
+    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(module).items()}
 
 
 def save_trained_weights(adapter: ModelAdapter, out_dir: Path, *, lora: bool, metadata: dict) -> Path:
@@ -69,10 +84,13 @@ def save_trained_weights(adapter: ModelAdapter, out_dir: Path, *, lora: bool, me
             attr = denoiser_attr(adapter)
             if not hasattr(pipe_cls, "save_lora_weights"):
                 raise RunDirError(f"{pipe_cls.__name__} cannot save LoRA weights (no LoRA loader mixin)")
-            pipe_cls.save_lora_weights(str(tmp), **{f"{attr}_lora_layers": lora_state_dict(adapter)})
+            for part, name in lora_files(adapter).items():  # every part's LoRA under the main part's keyword
+                pipe_cls.save_lora_weights(str(tmp), weight_name=name, **{f"{attr}_lora_layers": lora_state_dict(adapter, part)})
         else:
             adapter.pipeline.save_pretrained(str(tmp))
             scrub_local_paths(tmp, str(metadata.get("base_model", "")))
+        if lora and len(adapter.denoiser_parts()) > 1:  # Wan2.2: which file holds which expert's LoRA
+            metadata = {**metadata, "lora_files": lora_files(adapter)}
         (tmp / METADATA_FILE).write_text(json.dumps({"format": "lora" if lora else "full", **metadata}, indent=2, default=str))
         _publish(tmp, out_dir)
     except BaseException:
@@ -117,7 +135,9 @@ def unchanged_weights(run_dir: str | os.PathLike) -> str | None:
     if meta.get("format") == "lora":
         from safetensors.torch import load_file
 
-        tensors = load_file(str(final / LORA_WEIGHTS_FILE))
+        tensors = {}
+        for f in sorted(final.glob("pytorch_lora_weights*.safetensors")):  # every denoiser part's file
+            tensors.update({f"{f.name}:{k}": v for k, v in load_file(str(f)).items()})
         pairs = [(tensors[k], tensors.get(k.replace("lora_A", "lora_B"))) for k in tensors if "lora_A" in k]
         if pairs and all(b is None or not a.any() or not b.any() for a, b in pairs):
             return f"every LoRA update B @ A in {str(final)!r} is zero"
@@ -156,7 +176,10 @@ def load_trained_adapter(run_or_final: str | os.PathLike, *, device="cpu", dtype
         return load_adapter(str(final), family=meta.get("family", "auto"), device=device, dtype=dtype, **options)
     adapter = load_adapter(meta["base_model"], family=meta.get("family", "auto"), device=device, dtype=dtype, **options)
     try:
-        adapter.pipeline.load_lora_weights(str(final))
+        main = denoiser_attr(adapter)
+        for part, name in lora_files(adapter).items():
+            into = {} if part == main else {f"load_into_{part}": True}  # Wan2.2: load_into_transformer_2
+            adapter.pipeline.load_lora_weights(str(final), weight_name=name, **into)
     except Exception as exc:
         raise RunDirError(f"LoRA weights in {str(final)!r} do not fit base model {meta['base_model']!r}: {str(exc).splitlines()[0]}") from None
     adapter.denoiser.requires_grad_(False)
@@ -368,7 +391,8 @@ def export_run(
             widget = {**widget_pair(adapter, local_meta, config, prompt, tmp / WIDGET_FILE), "image": WIDGET_FILE}
             bar.update(1)
             if fmt == "lora":
-                shutil.copy2(_regular_file(run_dir / "final" / LORA_WEIGHTS_FILE), tmp / LORA_WEIGHTS_FILE)
+                for name in lora_files(adapter).values():
+                    shutil.copy2(_regular_file(run_dir / "final" / name), tmp / name)
                 pipeline_class = None
             else:
                 log(f"fusing the trained weights into {meta['base_model']} ...")
@@ -414,7 +438,7 @@ def fuse_lora(adapter: ModelAdapter) -> None:
     pipe = adapter.pipeline
     if not hasattr(pipe, "fuse_lora"):
         raise RunDirError(f"{type(pipe).__name__} cannot fuse LoRA weights (no LoRA loader mixin)")
-    pipe.fuse_lora(components=[denoiser_attr(adapter)], lora_scale=1.0)
+    pipe.fuse_lora(components=list(adapter.denoiser_parts()), lora_scale=1.0)
     pipe.unload_lora_weights()  # after fuse_lora this keeps the fused weights and drops the peft layers
 
 

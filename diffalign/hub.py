@@ -83,6 +83,9 @@ def loading_snippet(meta: dict, fmt: str, where: str, *, pipeline_class: Optiona
     else:
         head = [f"from {module} import {class_name}", f"pipe = {class_name}.from_pretrained({q(where if fmt == 'merged' else base)})"]
     lines = ["import torch"] + head + ([f"pipe.load_lora_weights({q(where)})"] if fmt == "lora" else [])
+    if fmt == "lora":  # further denoiser parts (Wan2.2's transformer_2): their own file, diffusers' load_into_<part>
+        lines += [f"pipe.load_lora_weights({q(where)}, weight_name={q(name)}, load_into_{part}=True)"
+                  for part, name in list((meta.get("lora_files") or {}).items())[1:]]
     lines.append(f"image = pipe({q(prompt)}, num_inference_steps={steps}, guidance_scale={guidance_scale},\n"
                  f"             generator=torch.Generator().manual_seed(0)).images[0]")
     return "\n".join(lines)

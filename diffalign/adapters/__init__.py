@@ -38,6 +38,8 @@ FAMILIES: dict[str, str] = {
     "qwen_edit": "diffalign.adapters.qwen_edit:QwenImageEditAdapter",
     "flux2": "diffalign.adapters.flux2:Flux2Adapter",
     "wan": "diffalign.adapters.wan:WanAdapter",
+    "zimage": "diffalign.adapters.zimage:ZImageAdapter",
+    "ltx": "diffalign.adapters.ltx:LTXAdapter",
     "shapes": "diffalign.adapters.shapes:ShapesAdapter",
 }
 
@@ -53,6 +55,8 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "QwenImageEditPipeline": "qwen_edit",
     "Flux2KleinPipeline": "flux2",
     "WanPipeline": "wan",
+    "ZImagePipeline": "zimage",
+    "LTXPipeline": "ltx",
     "ShapesPipeline": "shapes",
 }
 

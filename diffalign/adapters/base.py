@@ -27,8 +27,9 @@ schedule ends with ``-1`` meaning "the final, clean state".
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Sequence
+from typing import ClassVar, Iterator, Optional, Sequence
 
 import torch
 
@@ -162,6 +163,32 @@ class ModelAdapter(ABC):
         """The trainable network: the pipeline's ``transformer``, else its ``unet``."""
         transformer = getattr(self.pipeline, "transformer", None)
         return transformer if transformer is not None else self.pipeline.unet
+
+    def denoiser_parts(self) -> dict[str, torch.nn.Module]:
+        """The pipeline components that make up :attr:`denoiser`, by component name, in the
+        pipeline's order: ``{"transformer": ...}`` (or ``"unet"``) for one network. A denoiser of
+        several networks (Wan2.2's two experts) is a module whose children carry the components'
+        names; its LoRA is saved and loaded part by part (``diffalign.export``)."""
+        denoiser = self.denoiser
+        for name, module in self.pipeline.components.items():
+            if module is denoiser:
+                return {name: module}
+        raise RuntimeError("the adapter's denoiser is not a component of its pipeline")
+
+    @contextmanager
+    def swapped_denoiser(self, module: torch.nn.Module) -> Iterator[None]:
+        """``module``, a copy of :attr:`denoiser` (the frozen reference of full fine-tuning, a
+        low-precision copy), in place of the denoiser in the pipeline for the duration of the
+        block; a denoiser of several parts is replaced by ``module``'s children of the same names."""
+        parts = self.denoiser_parts()
+        replacement = {name: module if len(parts) == 1 else getattr(module, name) for name in parts}
+        for name, part in replacement.items():
+            setattr(self.pipeline, name, part)
+        try:
+            yield
+        finally:
+            for name, part in parts.items():
+                setattr(self.pipeline, name, part)
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         """Every torch module of the pipeline but the denoiser (text encoders, VAE, ...), in the

@@ -228,14 +228,8 @@ class LowPrecisionCopy:
     @contextlib.contextmanager
     def swapped_into(self, adapter) -> Iterator[None]:
         """Context: ``adapter`` samples with this copy instead of its denoiser."""
-        pipeline = adapter.pipeline
-        denoiser = adapter.denoiser
-        attr = next(name for name, module in pipeline.components.items() if module is denoiser)
-        setattr(pipeline, attr, self.module)
-        try:
+        with adapter.swapped_denoiser(self.module):
             yield
-        finally:
-            setattr(pipeline, attr, denoiser)
 
 
 def _cast(module: nn.Module, dtype: torch.dtype) -> None:

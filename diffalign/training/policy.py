@@ -29,7 +29,6 @@ class Policy:
     @contextlib.contextmanager
     def reference_model(self) -> Iterator[None]:
         """The frozen reference in place of the trained denoiser, for the duration of the block."""
-        denoiser = self.adapter.denoiser
         if self.lora:
             # Toggle the peft layers found once at setup: diffusers' disable_adapters() walks every
             # module and checks versions on each call (15 ms per forward on an SD3.5-sized model).
@@ -43,12 +42,8 @@ class Policy:
             return
         if self.ref_denoiser is None:
             raise RuntimeError("no reference model: set needs_reference before setup()")
-        attr = next(name for name, module in self.adapter.pipeline.components.items() if module is denoiser)
-        setattr(self.adapter.pipeline, attr, self.ref_denoiser)
-        try:
+        with self.adapter.swapped_denoiser(self.ref_denoiser):
             yield
-        finally:
-            setattr(self.adapter.pipeline, attr, denoiser)
 
 
 def prepare_denoiser(adapter, cfg, needs_reference: bool) -> Policy:
