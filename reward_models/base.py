@@ -16,6 +16,11 @@ image reward scores every frame with the video's prompt and metadata, and the vi
 the **mean over its F frames**. A reward that judges a video as a whole (motion, consistency)
 sets the class attribute ``video = True`` and receives the ``(B, F, 3, H, W)`` tensor unchanged.
 
+**Differentiable rewards** (what DRaFT / ReFL train through, ``docs/drft.md``) set the attribute
+``differentiable = True``: called on images that require grad, they return rewards with a graph
+back to the images (no ``no_grad``, no NumPy, no rounding on the way); called on plain images they
+build no graph. A reward without the attribute is taken as not differentiable.
+
 Rewards are found by name in an explicit registry (``@register("name")``) or by dotted path
 (``"package.module:factory"`` or ``"package.module.factory"``). Heavy dependencies are imported
 lazily inside the factories; every factory takes a ``device`` keyword instead of calling
@@ -98,6 +103,11 @@ def build(name: str, **kwargs: Any) -> RewardFn:
 def is_video_reward(reward) -> bool:
     """Whether ``reward`` takes whole videos ``(B, F, 3, H, W)`` (attribute ``video = True``)."""
     return bool(getattr(reward, "video", False))
+
+
+def is_differentiable(reward) -> bool:
+    """Whether ``reward`` declares a gradient with respect to its images (``differentiable = True``)."""
+    return bool(getattr(reward, "differentiable", False))
 
 
 def call_reward(reward: RewardFn, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:

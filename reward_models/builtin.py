@@ -10,6 +10,7 @@ _MODULES = [
     "reward_models.clip_score",
     "reward_models.combine",
     "reward_models.shapes_eval",
+    "reward_models.shapes_soft",
     "reward_models.pickscore",
     "reward_models.aesthetic",
     "reward_models.hpsv2",
