@@ -26,7 +26,7 @@ from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
 from diffalign.config_files import dump_config, to_dict
-from diffalign.errors import DiffalignError, Interrupted
+from diffalign.errors import ConfigError, DiffalignError, Interrupted
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.report import write_report
 from diffalign.sampling import build_kernel
@@ -82,6 +82,9 @@ class Trainer:
         self.probe_prompts = resolve_probe_prompts(cfg)
         tracking.check_trackers(cfg.log.trackers)
         self.reward_fn = reward_models.build(cfg.reward.name, device="cpu", **cfg.reward.kwargs)
+        if cfg.algorithm.needs_differentiable_reward() and not reward_models.is_differentiable(self.reward_fn):
+            raise ConfigError(f"config key 'reward.name': {cfg.reward.name!r} is not differentiable (it does not declare "
+                              f"differentiable = True), and {cfg.algorithm.name} trains through the reward's gradient")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.mixed_precision = cfg.train.resolved_mixed_precision(device)
         allow_precision(self.mixed_precision)
