@@ -362,6 +362,11 @@ class AlgorithmConfig:
         can train it."""
         return False
 
+    def needs_differentiable_reward(self) -> bool:
+        """Whether the loss backpropagates through the reward (DRaFT, ReFL): the trainer then
+        refuses a ``reward.name`` that does not declare ``differentiable = True``."""
+        return False
+
 
 def method_defaults(**values):
     """Class decorator under ``@dataclass``: a method's own defaults for fields a shared mixin

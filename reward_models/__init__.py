@@ -9,12 +9,13 @@ to videos ``(B,F,3,H,W)`` as the mean over frames (see :mod:`reward_models.base`
 from typing import Any, Optional
 
 from reward_models.base import (
-    RewardFn, available, build, call_reward, check_images, check_reward_output, is_groupwise, is_video_reward, register,
+    RewardFn, available, build, call_reward, check_images, check_reward_output, is_differentiable, is_groupwise,
+    is_video_reward, register,
 )
 from diffalign.errors import RewardError, close_match
 
 __all__ = ["RewardFn", "available", "build", "call_reward", "check_images", "check_name", "check_reward_output",
-           "is_groupwise", "is_video_reward", "register"]
+           "is_differentiable", "is_groupwise", "is_video_reward", "register"]
 
 # Built-in rewards register themselves on import; each module keeps heavy imports lazy.
 from reward_models import builtin as _builtin  # noqa: E402,F401

@@ -89,6 +89,8 @@ class AestheticScore:
         batch_size: images per CLIP forward pass.
     """
 
+    differentiable = True  # score() keeps the graph to the images (DRaFT / ReFL); see reward_models.base
+
     def __init__(
         self,
         clip_model: str = DEFAULT_AESTHETIC_CLIP,
@@ -201,6 +203,6 @@ class AestheticScore:
         embeddings = self.image_embeddings(self.preprocess(images))
         return self.head(embeddings).squeeze(-1).to(images.device)
 
-    @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
-        return self.score(images, prompts)
+        with torch.set_grad_enabled(images.requires_grad and torch.is_grad_enabled()):  # a graph only when trained through
+            return self.score(images, prompts)

@@ -21,6 +21,11 @@ sets the class attribute ``video = True`` and receives the ``(B, F, 3, H, W)`` t
 compares the images of a group sets ``groupwise = True`` (:func:`is_groupwise`) and then receives
 whole groups.
 
+**Differentiable rewards** (what DRaFT / ReFL train through, ``docs/drft.md``) set the attribute
+``differentiable = True``: called on images that require grad, they return rewards with a graph
+back to the images (no ``no_grad``, no NumPy, no rounding on the way); called on plain images they
+build no graph. A reward without the attribute is taken as not differentiable.
+
 Rewards are found by name in an explicit registry (``@register("name")``) or by dotted path
 (``"package.module:factory"`` or ``"package.module.factory"``). Heavy dependencies are imported
 lazily inside the factories; every factory takes a ``device`` keyword instead of calling
@@ -110,6 +115,11 @@ def is_groupwise(reward) -> bool:
     ``groupwise = True``, e.g. ``pairwise``): it reads each image's group from ``metadata["group"]``
     and must receive whole groups, which the trainer's reward pool guarantees."""
     return bool(getattr(reward, "groupwise", False))
+
+
+def is_differentiable(reward) -> bool:
+    """Whether ``reward`` declares a gradient with respect to its images (``differentiable = True``)."""
+    return bool(getattr(reward, "differentiable", False))
 
 
 def call_reward(reward: RewardFn, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:

@@ -11,6 +11,7 @@ _MODULES = [
     "reward_models.combine",
     "reward_models.pairwise",
     "reward_models.shapes_eval",
+    "reward_models.shapes_soft",
     "reward_models.pickscore",
     "reward_models.aesthetic",
     "reward_models.hpsv2",

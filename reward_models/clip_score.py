@@ -127,6 +127,8 @@ class ClipScore:
         clip_negative: use ``w * max(cos, 0)`` (CLIPScore as published) instead of ``w * cos``.
     """
 
+    differentiable = True  # score() keeps the graph to the images (DRaFT / ReFL); PickScore and HPSv2 inherit it
+
     def __init__(
         self,
         model: str = DEFAULT_CLIP_MODEL,
@@ -253,6 +255,6 @@ class ClipScore:
             cosine = cosine.clamp(min=0.0)
         return (self.scale * cosine).to(images.device)
 
-    @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
-        return self.score(images, prompts)
+        with torch.set_grad_enabled(images.requires_grad and torch.is_grad_enabled()):  # a graph only when trained through
+            return self.score(images, prompts)

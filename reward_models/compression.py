@@ -69,6 +69,8 @@ def jpeg_incompressibility(device: str | torch.device | None = None, quality: in
 class Brightness:
     """Reward = mean pixel value of each image over channels and pixels, in ``[0, 1]``."""
 
+    differentiable = True  # a mean of the pixels: the gradient is 1 / (3 H W) per pixel
+
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
         check_images(images)
         return images.float().mean(dim=(1, 2, 3))  # (B,), on the images' device, keeps the graph

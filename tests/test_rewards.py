@@ -147,6 +147,9 @@ def test_clip_score_is_differentiable(tiny_clip):
     images = _noise(2, size=48).requires_grad_(True)
     reward.score(images, ["a cat", "do"]).sum().backward()
     assert images.grad is not None and images.grad.abs().sum() > 0
+    # the reward as called (differentiable = True): a graph on images that require grad, none otherwise
+    assert reward.differentiable and reward(images, ["a cat", "do"], [{}, {}]).requires_grad
+    assert not reward(images.detach(), ["a cat", "do"], [{}, {}]).requires_grad
 
 
 def test_clip_score_prompt_count_mismatch(tiny_clip):

@@ -63,9 +63,9 @@ def guided_forward(
     return forward(x, t, embeds.cond).float()
 
 
-@torch.no_grad()
 def vae_decode(vae, latents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Model latents -> images ``(B, 3, H, W)`` fp32 in ``[0, 1]``.
+    """Model latents -> images ``(B, 3, H, W)`` fp32 in ``[0, 1]``, in the caller's grad mode (an
+    adapter's ``decode`` runs it under no_grad, ``decode_with_grad`` with gradients).
 
     Undoes the latent normalisation ``z_model = (z_vae - shift) * scale`` that the pipelines
     apply when encoding (SD1.5 has no shift).
@@ -76,10 +76,10 @@ def vae_decode(vae, latents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return to_unit_range(vae.decode(z, return_dict=False)[0])
 
 
-@torch.no_grad()
 def denormalize_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """``z * latents_std + latents_mean`` per channel (axis 1) in the VAE's device and dtype: the
-    model latents of the Wan-style VAEs (Wan2.1, Qwen-Image) -> what the VAE decodes."""
+    model latents of the Wan-style VAEs (Wan2.1, Qwen-Image) -> what the VAE decodes (in the
+    caller's grad mode, as :func:`vae_decode`)."""
     z = latents.to(device=vae.device, dtype=vae.dtype)
     shape = (1, -1, *([1] * (z.ndim - 2)))
     mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)

@@ -26,6 +26,7 @@ schedule ends with ``-1`` meaning "the final, clean state".
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -234,6 +235,14 @@ class ModelAdapter(ABC):
         its own dtype, undoing ``z_model = (z_vae - shift_factor) * scaling_factor``
         (:func:`_util.vae_decode`); families with other latent statistics override it."""
         return vae_decode(self.pipeline.vae, latents, self.pipeline.vae.dtype)
+
+    def decode_with_grad(self, latents: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` with gradients flowing back to ``latents``, for losses through a
+        differentiable reward (DRaFT, ReFL: ``diffalign.recipes.drft``). Every family's ``decode``
+        is its decoding wrapped in ``@torch.no_grad()`` (no graph in rollouts and evaluations);
+        this runs the function that decorator wraps (``functools.wraps`` keeps it as ``__wrapped__``),
+        so a family's decoding is written once."""
+        return inspect.unwrap(type(self).decode)(self, latents)
 
     def make_schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """``num_steps + 1`` times ``t_0 > t_1 > ... > t_T`` (fp32, CPU). Flow: sigmas from the
