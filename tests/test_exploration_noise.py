@@ -40,7 +40,8 @@ def test_flow_grpo_with_coarse_noise_is_on_policy_and_learns(repo_root, tmp_path
         f"output_dir={tmp_path / 'run'}", "model.id=tiny:shapes", "max_iterations=1", "log.progress_bar=false",
         "log.report=false", "eval.at_start=false", "eval.every=0", "rollout.prompts_per_iteration=2",
         "rollout.group_size=4", "rollout.sample_batch_size=8", "train.batch_size=8", "sampling.noise_pool=4",
-        "train.self_check_tolerance=0", "reward.name=brightness", "reward.kwargs={}", "algorithm.beta=0.01"])
+        "train.self_check_tolerance=0", "reward.name=brightness", "reward.kwargs={}", "algorithm.beta=0.01",
+        "eval.images_per_family=1", "eval.probe=false", "sampling.eval_num_steps=2"])  # a token final evaluation
     trainer = build_trainer(cfg, overwrite=True)
     trainer.train()
     assert trainer.kernel.noise_pool == 4
