@@ -40,6 +40,7 @@ FAMILIES: dict[str, str] = {
     "wan": "diffalign.adapters.wan:WanAdapter",
     "zimage": "diffalign.adapters.zimage:ZImageAdapter",
     "ltx": "diffalign.adapters.ltx:LTXAdapter",
+    "hunyuan_video": "diffalign.adapters.hunyuan_video:HunyuanVideoAdapter",
     "shapes": "diffalign.adapters.shapes:ShapesAdapter",
 }
 
@@ -57,6 +58,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "WanPipeline": "wan",
     "ZImagePipeline": "zimage",
     "LTXPipeline": "ltx",
+    "HunyuanVideoPipeline": "hunyuan_video",
     "ShapesPipeline": "shapes",
 }
 

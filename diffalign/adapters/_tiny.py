@@ -253,3 +253,42 @@ def tiny_qwen_vl_processor(tokenizer, max_side: int = 56):
     Qwen2VLProcessor.__init__(processor, image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
     del processor.check_argument_for_proper_class
     return processor
+
+
+# Llama 3's special tokens as HunyuanVideo's prompt template uses them (``<|begin_of_text|>`` is
+# the BOS token, ``<|end_of_text|>`` ends and pads).
+LLAMA3_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+def tiny_llama_tokenizer(template_words: Sequence[str] = (), max_length: int = 512):
+    """A byte-fallback BPE ``LlamaTokenizer`` (``LlamaTokenizerFast`` in transformers 5) built in
+    memory with Llama 3's special tokens, padding on the right (as HunyuanVideo's tokenizer: the
+    pipeline crops the template from the front and the transformer counts the valid text tokens
+    from the left). Words of :data:`TINY_WORDS` and ``template_words`` get one token each, with
+    and without the ``▁`` space marker (after a special token a word has none), ``"\\n\\n"`` is one
+    token (as in Llama 3), other characters are single tokens or ``<0xNN>`` bytes. With
+    HunyuanVideo's system-prompt words the template's prefix is 95 tokens, the pipeline's
+    ``crop_start``, as with the real tokenizer."""
+    from transformers import LlamaTokenizer
+
+    vocab = {"<unk>": 0, **{tok: i + 1 for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["▁", "\n", "\n\n", *"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:!?'-"]:
+        vocab.setdefault(piece, len(vocab))
+    merges: list[tuple[str, str]] = [("\n", "\n")]
+    words = list(dict.fromkeys(list(template_words) + list(TINY_WORDS)))
+    # "▁word" chains first (their left parts all start with ▁, so they beat the bare pairs inside a word)
+    for pieces in [["▁", *w] for w in words] + [list(w) for w in words]:
+        left = pieces[0]
+        for right in pieces[1:]:
+            if (left, right) not in merges:
+                merges.append((left, right))
+            left += right
+            vocab.setdefault(left, len(vocab))
+    tokenizer = LlamaTokenizer(
+        vocab=vocab, merges=merges, bos_token=LLAMA3_SPECIAL_TOKENS[0], eos_token=LLAMA3_SPECIAL_TOKENS[1],
+        pad_token=LLAMA3_SPECIAL_TOKENS[1], add_bos_token=True, padding_side="right", model_max_length=max_length,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(LLAMA3_SPECIAL_TOKENS[2:])})
+    return tokenizer
