@@ -130,8 +130,10 @@ def yaml_key(f: dataclasses.Field) -> str:
 MOVED_KEYS = {"rollout.overlap_rewards": "reward.async"}
 
 
-def _moved(data: dict) -> dict:
-    """``data`` (a run config mapping) with each key of :data:`MOVED_KEYS` at its new place."""
+def _moved(data: dict, warn: bool = True) -> dict:
+    """``data`` (a run config mapping) with each key of :data:`MOVED_KEYS` at its new place
+    (``warn``: with the one-line notice a user's config gets; a run's own saved config, written by
+    an older version, is upgraded without one)."""
     for old, new in MOVED_KEYS.items():
         (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
         section = data.get(old_section)
@@ -144,10 +146,18 @@ def _moved(data: dict) -> dict:
             continue  # from_dict names the malformed section
         if new_key in target:
             raise ConfigError(f"config key '{old}' is the old name of '{new}'; give only '{new}'")
-        print(f"warning: config key '{old}' is deprecated; it is now called '{new}'", file=sys.stderr)
+        if warn:
+            print(f"warning: config key '{old}' is deprecated; it is now called '{new}'", file=sys.stderr)
         data[old_section] = {k: v for k, v in section.items() if k != old_key}
         data[new_section] = {**target, new_key: section[old_key]}
     return data
+
+
+def upgraded(saved: dict) -> dict:
+    """A copy of a saved run config mapping (a checkpoint's, a run's config.yaml) with the keys an
+    older version wrote under their current names, silently: comparing it with today's config shows
+    only real changes."""
+    return _moved({k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}, warn=False)
 
 
 def _renamed(data: dict, renamed: dict[str, str], prefix: str) -> dict:

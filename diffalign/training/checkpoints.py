@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from diffalign import distributed, runs
-from diffalign.config_files import dump_config, to_dict
+from diffalign.config_files import dump_config, to_dict, upgraded
 from diffalign.export import save_trained_weights
 
 
@@ -94,7 +94,7 @@ def guarded_changes(run_dir: Path, cfg) -> dict[str, tuple]:
         raise runs.RunDirError(f"cannot resume {str(run_dir)!r}: its config.yaml cannot be read ({type(exc).__name__})") from None
     if not isinstance(saved, dict):
         raise runs.RunDirError(f"cannot resume {str(run_dir)!r}: its config.yaml is not a mapping")
-    current = to_dict(cfg)
+    saved, current = upgraded(saved), to_dict(cfg)
     return {k: (_lookup(saved, k), _lookup(current, k)) for k in GUARDED_KEYS if _lookup(saved, k) != _lookup(current, k)}
 
 
@@ -160,7 +160,7 @@ def load_latest(trainer) -> int | None:
         trainer.log(f"no checkpoint in {trainer.run_dir}: starting over from iteration 0")
         return None
     ckpt, state = found
-    saved = state.get("config", {})
+    saved = upgraded(state.get("config", {}))
     current = to_dict(trainer.cfg)
     ignore = {"max_iterations", "output_dir", "log", "checkpoint", "eval"}
     changed = sorted(k for k in current if k not in ignore and saved.get(k) != current[k])
