@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from diffalign import shipped
 from diffalign.config import RunConfig
 from diffalign.errors import ConfigError
 from diffalign.images import ImagePrompt, load_rgb
@@ -87,7 +88,7 @@ def resolve_prompts(cfg: RunConfig) -> tuple[list[str], list[str]]:
     if p.eval_file:
         return train, read_prompt_file(p.eval_file, split=p.split, key="prompts.eval_file", **columns)
     if p.eval_split:
-        if not Path(p.file).is_dir():
+        if not shipped.data_file(p.file).is_dir():
             raise ConfigError("config key 'prompts.eval_split' applies to a datasets folder in prompts.file (use prompts.eval_file)")
         return train, read_prompt_file(p.file, split=p.eval_split, key="prompts.eval_split", **columns)
     if p.eval_fraction:
@@ -120,7 +121,7 @@ def read_prompt_file(path: str, *, column: str = "prompt", split: str = "train",
     :class:`~diffalign.images.ImagePrompt` whose source image is that column's path, relative to
     the file's folder (a datasets folder: to itself), and every image is read here. Errors are
     one-line ``ConfigError`` naming ``key`` and the file (and the row, for a bad image)."""
-    f = Path(path)
+    f = shipped.data_file(path)
     where = f"config key '{key}': {path!r}"
     if not f.exists():
         raise ConfigError(f"{where} does not exist")

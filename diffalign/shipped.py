@@ -131,3 +131,17 @@ def config_file(path_or_name: str | Path) -> Path:
         return recipe.path
     raise ConfigError(f"config file {str(path_or_name)!r} does not exist and names no shipped recipe; "
                       f"{_hint(str(path_or_name), list(recipes))}")
+
+
+def data_file(path: str | Path) -> Path:
+    """A data file a shipped recipe names (a prompt file, say ``configs/tiny/edit/prompts.jsonl``):
+    the path itself when it exists, so a checkout or the user's own file wins; else a relative path
+    under ``configs/`` names the file shipped there, which a pip install has too. Any other path is
+    returned as given (the reader says it does not exist)."""
+    p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    parts = p.as_posix().removeprefix("./").split("/", 1)
+    if parts[0] == "configs" and len(parts) == 2 and (root() / parts[1]).exists():
+        return root() / parts[1]
+    return p

@@ -65,6 +65,25 @@ def test_a_file_that_exists_wins_over_the_recipe(tmp_path, monkeypatch):
         read_yaml("tiny")
 
 
+def test_a_shipped_recipes_prompt_file_resolves_outside_the_checkout(tmp_path, monkeypatch):
+    """The tiny editing recipes name configs/tiny/edit/prompts.jsonl: from another folder that is
+    the shipped file (with its source images); a file of that path in the working folder wins."""
+    from diffalign.config_files import load_config
+    from diffalign.images import prompt_image
+    from diffalign.prompts import resolve_prompts
+
+    monkeypatch.chdir(tmp_path)
+    shipped_file = shipped.root() / "tiny" / "edit" / "prompts.jsonl"
+    assert shipped.data_file("configs/tiny/edit/prompts.jsonl") == shipped_file
+    train, _ = resolve_prompts(load_config("tiny/flow_grpo_flux_kontext"))
+    assert train and all(Path(prompt_image(p)).parent == shipped_file.parent for p in train)
+    own = tmp_path / "configs" / "tiny" / "edit" / "prompts.jsonl"
+    own.parent.mkdir(parents=True)
+    own.write_text("{}")
+    assert shipped.data_file("configs/tiny/edit/prompts.jsonl") == Path("configs/tiny/edit/prompts.jsonl")
+    assert shipped.data_file("configs/no/such.jsonl") == Path("configs/no/such.jsonl")  # the reader says it is missing
+
+
 def test_config_by_name_equals_config_by_file(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["config", str(ROOT / "configs" / "shapes" / "flow_grpo.yaml")]) == 0
@@ -203,6 +222,8 @@ def test_the_unpacked_wheel_alone_serves_recipes_and_the_demo(wheel, tmp_path):
         "print('package', diffalign.__file__); print('recipes', s.root()); print('demo', app.__file__)\n"
         "assert main(['recipes']) == 0\n"
         "assert main(['config', 'shapes/flow_grpo']) == 0\n"
+        "from diffalign.config_files import load_config; from diffalign.prompts import resolve_prompts\n"
+        "assert resolve_prompts(load_config('tiny/flow_grpo_qwen_edit'))[0]  # a shipped prompt file with images\n"
         "main(['demo', '--help'])\n"
     )
     env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1")
