@@ -14,7 +14,7 @@ import torch
 
 from diffalign.adapters import FAMILIES, PIPELINE_FAMILIES, PromptEmbeds, load_adapter
 from diffalign.errors import ModelLoadError, RewardError
-from tests.helpers.adapters import PROMPTS, PX, one_thread, tiny_adapters, times  # noqa: F401 (fixtures)
+from tests.helpers.adapters import PROMPTS, PX, assert_loaded_equals, one_thread, tiny_adapters, times  # noqa: F401 (fixtures)
 from tests.helpers.tiny_run import FAST, run_cli
 
 FAMILY_NAMES = ["qwen", "flux2", "wan"]
@@ -92,14 +92,7 @@ def test_save_and_load_through_from_pretrained(adapter, tmp_path):
         options["num_frames"] = adapter.num_frames
     loaded = load_adapter(str(tmp_path), **options)
     assert type(loaded) is type(adapter)
-    x = adapter.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(5))
-    t = times(adapter)
-    with torch.no_grad():
-        ours = adapter.predict(x, t, adapter.encode_prompts(PROMPTS, with_uncond=True), 3.0)
-        theirs = loaded.predict(x, t, loaded.encode_prompts(PROMPTS, with_uncond=True), 3.0)
-    torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
-    torch.testing.assert_close(loaded.make_schedule(6, PX, PX), adapter.make_schedule(6, PX, PX), rtol=0, atol=0)
-    torch.testing.assert_close(loaded.decode(x), adapter.decode(x), rtol=0, atol=1e-6)
+    assert_loaded_equals(loaded, adapter)
 
 
 # ---- parity with the stock pipelines -----------------------------------------------------

@@ -1,5 +1,6 @@
 """What the adapter test modules share: the image size, two prompts, one-thread torch, a
-parametrised fixture of tiny adapters and two valid times from an adapter's schedule."""
+parametrised fixture of tiny adapters, two valid times from an adapter's schedule, and the check
+that a pipeline saved and loaded back is the same model."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ def sd3():
 def times(adapter, num_steps: int = 4) -> torch.Tensor:
     """Two different, valid, non-final times from the adapter's own schedule."""
     return adapter.make_schedule(num_steps, PX, PX)[[0, 2]]
+
+
+def assert_loaded_equals(loaded, adapter) -> None:
+    """``loaded`` (``adapter``'s pipeline after ``save_pretrained`` / ``from_pretrained``) predicts
+    with CFG, schedules and decodes exactly as ``adapter`` does."""
+    x = adapter.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(5))
+    t = times(adapter)
+    with torch.no_grad():
+        ours = adapter.predict(x, t, adapter.encode_prompts(PROMPTS, with_uncond=True), 3.0)
+        theirs = loaded.predict(x, t, loaded.encode_prompts(PROMPTS, with_uncond=True), 3.0)
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
+    torch.testing.assert_close(loaded.make_schedule(6, PX, PX), adapter.make_schedule(6, PX, PX), rtol=0, atol=0)
+    torch.testing.assert_close(loaded.decode(x), adapter.decode(x), rtol=0, atol=1e-6)
