@@ -22,26 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import reward_models  # noqa: E402
-
-
-def render(texts: list[str], size: tuple[int, int], font_size: int) -> torch.Tensor:
-    """Black text on white in Pillow's own font: (B, 3, H, W) in [0, 1]."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    font = ImageFont.load_default(size=font_size)
-    images = []
-    for text in texts:
-        image = Image.new("RGB", size, "white")
-        ImageDraw.Draw(image).text((16, (size[1] - font_size) // 2), text, fill="black", font=font)
-        images.append(torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255)
-    return torch.stack(images)
+from reward_models.ocr import render_text  # noqa: E402
 
 
 def bench_ocr(count: int) -> None:
@@ -49,7 +36,7 @@ def bench_ocr(count: int) -> None:
     words = ["OPEN SOON", "", "CLOSED", "diffalign 2026"]  # exact, blank, wrong word, exact
     prompts = ['a sign that says "OPEN SOON"'] * 3 + ['a poster with "diffalign 2026"']
     for size, font_size in (((320, 96), 40), ((512, 512), 48), ((1024, 1024), 96)):
-        images = render([words[i % 4] for i in range(count)], size, font_size)
+        images = render_text([words[i % 4] for i in range(count)], size, font_size)
         batch_prompts = [prompts[i % 4] for i in range(count)]
         reward(images[:4], prompts, [{}] * 4)  # warm-up
         start = time.perf_counter()

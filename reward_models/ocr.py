@@ -71,6 +71,21 @@ def target_text(prompt: str, metadata: dict) -> str:
     return match.group(1) if match.group(1) is not None else match.group(2)
 
 
+def render_text(texts: Sequence[str], size: tuple[int, int] = (320, 96), font_size: int = 40) -> torch.Tensor:
+    """Black text on white in Pillow's own font (no system fonts needed), ``size`` = (W, H): images
+    ``(B, 3, H, W)`` in [0, 1] whose text is known, to check a reader (tests, benchmarks)."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default(size=font_size)
+    images = []
+    for text in texts:
+        image = Image.new("RGB", tuple(size), "white")
+        ImageDraw.Draw(image).text((16, (size[1] - font_size) // 2), text, fill="black", font=font)
+        images.append(torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255)
+    return torch.stack(images)
+
+
 class TesseractReader:
     """Text in an image with Tesseract (``tesserocr``'s C API: the model loads once, ~20-70 ms an image)."""
 

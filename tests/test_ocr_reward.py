@@ -6,13 +6,12 @@ them); they skip where either is missing.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import reward_models
 from diffalign.errors import RewardError
-from reward_models.ocr import edit_distance, ocr_accuracy, target_text
+from reward_models.ocr import edit_distance, ocr_accuracy, render_text, target_text
 
 
 @pytest.mark.parametrize("a, b, distance", [
@@ -52,23 +51,10 @@ def _tesseract_or_skip():
         pytest.skip(f"Tesseract not available: {exc}")
 
 
-def _render(texts: list[str], size=(320, 96), font_size=40) -> torch.Tensor:
-    """Black text on white, Pillow's own font (no system fonts needed): (B, 3, H, W) in [0, 1]."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    font = ImageFont.load_default(size=font_size)
-    images = []
-    for text in texts:
-        image = Image.new("RGB", size, "white")
-        ImageDraw.Draw(image).text((16, (size[1] - font_size) // 2), text, fill="black", font=font)
-        images.append(torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255)
-    return torch.stack(images)
-
-
 def test_rendered_text_images():
     reward = _tesseract_or_skip()
     prompts = ['a sign that says "OPEN SOON"'] * 3 + ['a poster with "diffalign 2026"']
-    images = _render(["OPEN SOON", "", "CLOSED", "diffalign 2026"])  # exact, blank, wrong text, exact
+    images = render_text(["OPEN SOON", "", "CLOSED", "diffalign 2026"])  # exact, blank, wrong text, exact
     scores = reward(images, prompts, [{}] * 4)
     assert scores.dtype == torch.float32 and scores.shape == (4,)
     assert scores[0] >= 0.9 and scores[3] >= 0.9, reward.last_texts
