@@ -17,8 +17,9 @@ step 4,500 of the 5,500-step schedule; resumable at any point from the training 
     # interrupted? the same command with --resume continues exactly where the state was saved
 
 (``scripts/pretrain_state/shapes-t2i-xattn16-pooled`` holds the state of the model shipped before, with the
-defaults' causal CLIP encoder; ``scripts/pretrain_state/shapes-t2i`` the one before it, with
-cross-attention at 8x8 only: ``--cross-attention-levels 1`` resumes it.)
+defaults' causal CLIP encoder; the one before it, with cross-attention at 8x8 only, is in the
+history (``git checkout 0b277bd -- scripts/pretrain_state/shapes-t2i``): ``--cross-attention-levels 1``
+resumes it.)
 
 Prints the loss while training and, at the end, the ShapesEval accuracy per family on held-out
 and train prompts, sampled from the saved model with the pipeline's Euler ODE sampler.
