@@ -14,7 +14,7 @@ import torch
 
 from diffalign.adapters import FAMILIES, PIPELINE_FAMILIES, PromptEmbeds, load_adapter
 from diffalign.errors import ModelLoadError
-from tests.helpers.adapters import PROMPTS, PX, assert_loaded_equals, one_thread, times  # noqa: F401 (fixtures)
+from tests.helpers.adapters import PROMPTS, PX, assert_loaded_equals, ode_rollout, one_thread, times  # noqa: F401 (fixtures)
 from tests.helpers.tiny_run import FAST, run_cli, train_records
 
 
@@ -116,13 +116,9 @@ def test_sample_and_video_match_stock_pipeline(adapter, true_cfg):
     same noise, with the embedded guidance and without / with true CFG (the pipeline's
     ``true_cfg_scale`` with ``negative_prompt=""``), and its decoded video == the pipeline's
     ``output_type="pt"`` frames."""
-    from diffalign.sampling import build_kernel, sample_linear
-
     a, steps = adapter, 3
     x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(7))
-    traj = sample_linear(a, build_kernel(a, "flow_grpo", 0.0), a.encode_prompts(PROMPTS, with_uncond=true_cfg > 1),
-                         a.make_schedule(steps, PX, PX), torch.zeros(steps, dtype=torch.bool), guidance_scale=true_cfg,
-                         height=PX, width=PX, noise=x)
+    traj = ode_rollout(a, x, true_cfg, steps, with_uncond=true_cfg > 1)
     call = dict(prompt=PROMPTS, height=PX, width=PX, num_inference_steps=steps, latents=x, guidance_scale=a.guidance,
                 num_frames=a.num_frames, max_sequence_length=a.max_sequence_length)
     if true_cfg > 1:

@@ -14,7 +14,7 @@ import torch
 
 from diffalign.adapters import FAMILIES, PIPELINE_FAMILIES, PromptEmbeds, load_adapter
 from diffalign.errors import ModelLoadError, RewardError
-from tests.helpers.adapters import PROMPTS, PX, assert_loaded_equals, one_thread, tiny_adapters, times  # noqa: F401 (fixtures)
+from tests.helpers.adapters import PROMPTS, PX, assert_loaded_equals, ode_rollout, one_thread, tiny_adapters, times  # noqa: F401 (fixtures)
 from tests.helpers.tiny_run import FAST, run_cli
 
 FAMILY_NAMES = ["qwen", "flux2", "wan"]
@@ -101,14 +101,10 @@ def test_two_step_sample_matches_stock_pipeline(family):
     """diffalign's deterministic rollout (``sample_linear`` with the flow ODE, zero noise) ==
     ``pipeline(..., output_type="latent")`` from the same noise, CFG on."""
     from diffalign.adapters.flux import pack_latents, unpack_latents
-    from diffalign.sampling import build_kernel, sample_linear
-
     a = load_adapter(f"tiny:{family}")
     steps, g = 2, 3.0
     x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(7))
-    traj = sample_linear(a, build_kernel(a, "flow_grpo", 0.0), a.encode_prompts(PROMPTS, with_uncond=True),
-                         a.make_schedule(steps, PX, PX), torch.zeros(steps, dtype=torch.bool), guidance_scale=g,
-                         height=PX, width=PX, noise=x)
+    traj = ode_rollout(a, x, g, steps)
     ours = traj.latents[:, -1]
     common = dict(prompt=PROMPTS, height=PX, width=PX, num_inference_steps=steps, output_type="latent",
                   max_sequence_length=a.max_sequence_length)
@@ -192,8 +188,6 @@ def test_wan_unipc_scheduler_integer_timesteps_and_two_step_parity():
     transformer, and for 2 steps the same sample as the pipeline (first-order steps == Euler)."""
     from diffusers import UniPCMultistepScheduler
 
-    from diffalign.sampling import build_kernel, sample_linear
-
     a = load_adapter("tiny:wan")
     a.pipeline.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     a = type(a)(a.pipeline, num_frames=5, max_sequence_length=16)
@@ -203,8 +197,7 @@ def test_wan_unipc_scheduler_integer_timesteps_and_two_step_parity():
     stock_scheduler.set_timesteps(2)
     assert a.model_timestep(sched[:-1]).tolist() == stock_scheduler.timesteps.float().tolist()
     x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(7))
-    traj = sample_linear(a, build_kernel(a, "flow_grpo", 0.0), a.encode_prompts(PROMPTS, with_uncond=True), sched,
-                         torch.zeros(2, dtype=torch.bool), guidance_scale=3.0, height=PX, width=PX, noise=x)
+    traj = ode_rollout(a, x, 3.0, 2, schedule=sched)
     with torch.no_grad():
         stock = a.pipeline(prompt=PROMPTS, latents=x, guidance_scale=3.0, height=PX, width=PX, num_frames=5,
                            num_inference_steps=2, output_type="latent", max_sequence_length=16).frames

@@ -16,7 +16,7 @@ import torch
 
 from diffalign.adapters import FAMILIES, PIPELINE_FAMILIES, PromptEmbeds, load_adapter
 from diffalign.errors import ModelLoadError
-from tests.helpers.adapters import PROMPTS, PX, assert_loaded_equals, one_thread, times  # noqa: F401 (fixtures)
+from tests.helpers.adapters import PROMPTS, PX, assert_loaded_equals, ode_rollout, one_thread, times  # noqa: F401 (fixtures)
 from tests.helpers.tiny_run import FAST, run_cli
 
 # Wan2.2 is the `wan` family with two experts; tiny:wan builds them when boundary_ratio is given.
@@ -100,14 +100,10 @@ def test_save_and_load_through_from_pretrained(adapter, tmp_path):
 def test_zimage_sample_matches_stock_pipeline():
     """A 2-step deterministic rollout == ``ZImagePipeline(..., output_type="latent")`` from the same
     noise; diffalign's CFG scale g is the pipeline's g - 1 (it computes cond + w (cond - uncond))."""
-    from diffalign.sampling import build_kernel, sample_linear
-
     a = load_adapter("tiny:zimage")
     steps, g = 2, 3.0
     x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(7))
-    traj = sample_linear(a, build_kernel(a, "flow_grpo", 0.0), a.encode_prompts(PROMPTS, with_uncond=True),
-                         a.make_schedule(steps, PX, PX), torch.zeros(steps, dtype=torch.bool), guidance_scale=g,
-                         height=PX, width=PX, noise=x)
+    traj = ode_rollout(a, x, g, steps)
     with torch.no_grad():
         # a copy: ZImagePipeline writes the chat-templated prompts into the list it is given
         stock = a.pipeline(prompt=list(PROMPTS), height=PX, width=PX, num_inference_steps=steps, output_type="latent",
@@ -118,15 +114,12 @@ def test_zimage_sample_matches_stock_pipeline():
 def test_wan22_sample_across_the_boundary_matches_stock_pipeline():
     """4 steps (sigmas 1, 0.86, 0.60, 0.01) with the boundary at 0.7: two steps on each expert,
     each with its own CFG scale, == ``WanPipeline(..., guidance_scale_2=...)``."""
-    from diffalign.sampling import build_kernel, sample_linear
-
     a = load_adapter("tiny:wan", boundary_ratio=0.7, guidance_scale_2=2.0)
     steps, g = 4, 3.0
     sched = a.make_schedule(steps, PX, PX)
     assert (a.model_timestep(sched[:-1]) >= 700).tolist() == [True, True, False, False]
     x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(7))
-    traj = sample_linear(a, build_kernel(a, "flow_grpo", 0.0), a.encode_prompts(PROMPTS, with_uncond=True), sched,
-                         torch.zeros(steps, dtype=torch.bool), guidance_scale=g, height=PX, width=PX, noise=x)
+    traj = ode_rollout(a, x, g, steps, schedule=sched)
     with torch.no_grad():
         stock = a.pipeline(prompt=PROMPTS, height=PX, width=PX, num_inference_steps=steps, output_type="latent", latents=x,
                            guidance_scale=g, guidance_scale_2=2.0, num_frames=a.num_frames,
@@ -141,15 +134,11 @@ def test_wan22_sample_across_the_boundary_matches_stock_pipeline():
 def test_ltx_sample_and_video_match_stock_pipeline():
     """A 3-step deterministic rollout == ``LTXPipeline(..., output_type="latent")`` (packed tokens)
     from the same noise, and its decoded video == the pipeline's ``output_type="pt"`` frames."""
-    from diffalign.sampling import build_kernel, sample_linear
-
     a = load_adapter("tiny:ltx")
     steps, g = 3, 3.0
     x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(7))
     assert x.shape == (2, 8, 2, PX // 4, PX // 4)  # 5 frames -> 2 latent frames; 4x spatial compression
-    traj = sample_linear(a, build_kernel(a, "flow_grpo", 0.0), a.encode_prompts(PROMPTS, with_uncond=True),
-                         a.make_schedule(steps, PX, PX), torch.zeros(steps, dtype=torch.bool), guidance_scale=g,
-                         height=PX, width=PX, noise=x)
+    traj = ode_rollout(a, x, g, steps)
     call = dict(prompt=PROMPTS, height=PX, width=PX, num_inference_steps=steps, latents=a.pipeline._pack_latents(x),
                 guidance_scale=g, num_frames=a.num_frames, max_sequence_length=a.max_sequence_length)
     with torch.no_grad():
@@ -312,17 +301,13 @@ def test_sd35_large_layout_matches_stock_pipeline():
     a 2-step deterministic rollout == ``StableDiffusion3Pipeline``'s."""
     from diffusers import SD3Transformer2DModel
 
-    from diffalign.sampling import build_kernel, sample_linear
-
     a = load_adapter("tiny:sd3")
     config = {k: v for k, v in a.pipeline.transformer.config.items() if not k.startswith("_")}
     a.pipeline.transformer = SD3Transformer2DModel(**{**config, "qk_norm": "rms_norm", "dual_attention_layers": ()})
     a = type(a)(a.pipeline)
     steps, g = 2, 3.5
     x = a.prepare_noise(2, PX, PX, generator=torch.Generator().manual_seed(8))
-    traj = sample_linear(a, build_kernel(a, "flow_grpo", 0.0), a.encode_prompts(PROMPTS, with_uncond=True),
-                         a.make_schedule(steps, PX, PX), torch.zeros(steps, dtype=torch.bool), guidance_scale=g,
-                         height=PX, width=PX, noise=x)
+    traj = ode_rollout(a, x, g, steps)
     with torch.no_grad():
         stock = a.pipeline(prompt=PROMPTS, height=PX, width=PX, num_inference_steps=steps, output_type="latent", latents=x,
                            guidance_scale=g, max_sequence_length=a.max_sequence_length).images

@@ -1,6 +1,7 @@
 """What the adapter test modules share: the image size, two prompts, one-thread torch, a
-parametrised fixture of tiny adapters, two valid times from an adapter's schedule, and the check
-that a pipeline saved and loaded back is the same model."""
+parametrised fixture of tiny adapters, two valid times from an adapter's schedule, the zero-noise
+rollout the stock-pipeline parity tests compare, and the check that a pipeline saved and loaded
+back is the same model."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from diffalign.adapters import load_adapter
+from diffalign.sampling import build_kernel, sample_linear
 
 PX = 32  # image / frame size of every adapter test
 PROMPTS = ["a red circle", "two blue squares"]
@@ -55,3 +57,13 @@ def assert_loaded_equals(loaded, adapter) -> None:
     torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
     torch.testing.assert_close(loaded.make_schedule(6, PX, PX), adapter.make_schedule(6, PX, PX), rtol=0, atol=0)
     torch.testing.assert_close(loaded.decode(x), adapter.decode(x), rtol=0, atol=1e-6)
+
+
+def ode_rollout(adapter, noise: torch.Tensor, guidance_scale: float, steps: int, *, schedule=None, with_uncond: bool = True):
+    """The training rollout of :data:`PROMPTS` from ``noise`` with the SDE's noise at zero (the ODE a
+    stock pipeline runs), over ``steps`` steps of ``schedule`` (default: the adapter's own): its
+    trajectory, every step untrained."""
+    schedule = adapter.make_schedule(steps, PX, PX) if schedule is None else schedule
+    return sample_linear(adapter, build_kernel(adapter, "flow_grpo", 0.0), adapter.encode_prompts(PROMPTS, with_uncond=with_uncond),
+                         schedule, torch.zeros(steps, dtype=torch.bool), guidance_scale=guidance_scale,
+                         height=PX, width=PX, noise=noise)
