@@ -16,8 +16,8 @@ step 4,500 of the 5,500-step schedule; resumable at any point from the training 
         --out diffalign/assets/shapes-t2i --state-dir scripts/pretrain_state/shapes-t2i-bert
     # interrupted? the same command with --resume continues exactly where the state was saved
 
-(``scripts/pretrain_state/shapes-t2i-xattn16-pooled`` holds the state of the model shipped before, with the
-defaults' causal CLIP encoder; the one before it, with cross-attention at 8x8 only, is in the
+(The state of the model shipped before, with the defaults' causal CLIP encoder, is in the history:
+``git checkout b163d1d -- scripts/pretrain_state/shapes-t2i-xattn16-pooled``; the one before it, with cross-attention at 8x8 only, is in the
 history (``git checkout 0b277bd -- scripts/pretrain_state/shapes-t2i``): ``--cross-attention-levels 1``
 resumes it.)
 
