@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_shapes.py"
 def pretrain():
     spec = importlib.util.spec_from_file_location("pretrain_shapes", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["pretrain_shapes"] = module  # importlib's recipe: its dataclasses look their module up
     spec.loader.exec_module(module)
-    return module
+    yield module
+    sys.modules.pop("pretrain_shapes", None)
 
 
 def _run(pretrain, tmp_path, name, steps, *extra):
@@ -200,3 +203,67 @@ def test_timestep_shift_moves_training_to_high_noise_and_is_recorded(pretrain, t
         _run(pretrain, tmp_path, "bad", 1, "--timestep-shift", "0")
     state = _run(pretrain, tmp_path, "shifted", 2, "--timestep-shift", "2")
     assert json.loads((state / "state.json").read_text())["timestep_shift"] == 2.0
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir())
+
+
+def test_light_state_leaves_out_the_adam_moments(pretrain, tmp_path):
+    full = _run(pretrain, tmp_path, "full", 3)
+    light = _run(pretrain, tmp_path, "light", 3, "--light-state")
+    assert json.loads((full / "state.json").read_text())["kind"] == "full"
+    info = json.loads((light / "state.json").read_text())
+    assert info["kind"] == "light" and "adam_steps" not in info
+    assert sorted(f.name for f in light.iterdir()) == ["ema.safetensors", "params.safetensors", "rng.safetensors", "state.json"]
+    assert 0.45 < _size(light) / _size(full) < 0.55
+    for group in pretrain.LIGHT_STATE_GROUPS:  # the same run: the same weights and EMA
+        a, b = load_file(str(full / f"{group}.safetensors")), load_file(str(light / f"{group}.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_from_a_light_state_rewarms_fresh_moments_and_continues(pretrain, tmp_path, capsys):
+    light = _run(pretrain, tmp_path, "light", 6, "--light-state", "--until", "3")
+    saved = json.loads((light / "state.json").read_text())
+    capsys.readouterr()
+    _run(pretrain, tmp_path, "light", 6, "--resume", "--rewarm-steps", "2", "--light-state")
+    out = capsys.readouterr().out
+    notice = [line for line in out.splitlines() if line.startswith("light state:")]
+    assert notice == ["light state: no Adam moments saved; Adam starts fresh moments at step 3, with the rate "
+                      "re-warmed linearly from 0 over 2 steps (--rewarm-steps)"]
+    assert "resumed from" in out and "at step 3 (light state)" in out
+    info = json.loads((light / "state.json").read_text())
+    assert info["step"] == 6 and info["kind"] == "light"
+    assert info["schedule"]["rewarms"] == [{"from_step": 3, "steps": 2}]
+    assert info["sched"]["last_epoch"] == 6 and saved["sched"]["last_epoch"] == 3  # the schedule's step counter went on
+    schedule = pretrain.Schedule.from_record(info["schedule"])
+    plain = pretrain.Schedule.from_record({**info["schedule"], "rewarms": []})
+    assert [schedule.factor(s) / plain.factor(s) for s in range(2, 7)] == [1.0, 0.5, 1.0, 1.0, 1.0]
+    # the default re-warm-up is the schedule's warm-up; a later full save records the re-warm-up,
+    # so an exact resume inside it follows the same rate
+    light2 = _run(pretrain, tmp_path, "light2", 8, "--light-state", "--until", "2")
+    _run(pretrain, tmp_path, "light2", 8, "--resume", "--until", "3")  # without --light-state: saved full
+    info = json.loads((light2 / "state.json").read_text())
+    assert info["kind"] == "full" and info["schedule"]["rewarms"] == [{"from_step": 2, "steps": 2}]  # --warmup 2
+
+
+def test_a_light_state_exports(pretrain, tmp_path):
+    state = _run(pretrain, tmp_path, "run", 4, "--light-state", "--until", "3")
+    _run(pretrain, tmp_path, "run", 4, "--resume", "--export-only")
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    exported = ShapesPipeline.from_pretrained(str(tmp_path / "run" / "model"))
+    torch.testing.assert_close(next(iter(exported.unet.parameters())).float(),
+                               load_file(str(state / "ema.safetensors"))["0"].half().float())
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--resume", "--rewarm-steps", "-1"], "--rewarm-steps must be >= 0"),
+    (["--rewarm-steps", "3"], "--rewarm-steps applies to --resume"),
+])
+def test_bad_light_state_flags_exit_2_with_one_line(pretrain, tmp_path, capsys, extra, needle):
+    with pytest.raises(SystemExit) as err:
+        _run(pretrain, tmp_path, "bad", 2, *extra)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0]
