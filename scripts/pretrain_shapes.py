@@ -12,7 +12,7 @@ drawn through a shift of 2 and position prompts twice as often (:data:`SHIPPED_R
 step 4,500 of the 5,500-step schedule; resumable at any point from the training state that
 ``--state-dir`` keeps (safetensors + JSON, no pickle)::
 
-    python scripts/pretrain_shapes.py --text-encoder bert --timestep-shift 2 --family-weights position=2 --until 4500 \
+    python scripts/pretrain_shapes.py --text-encoder bert --timestep-shift 2 --family-weights position=2 --until 4500 \\
         --out diffalign/assets/shapes-t2i --state-dir scripts/pretrain_state/shapes-t2i-bert
     # interrupted? the same command with --resume continues exactly where the state was saved
 
@@ -22,6 +22,22 @@ about 74 MB for the shipped model) or, with ``--light-state``, light (no Adam mo
 with fresh moments and re-warms the rate linearly from 0 over ``--rewarm-steps`` (default: the
 warm-up), and otherwise continues (step, schedule, EMA, RNGs). ``state.json`` records the schedule
 (:class:`Schedule`), which a resume follows whatever the flags say.
+
+``--extend-to N`` (with ``--resume``) continues a run beyond its schedule's end, to N steps in all:
+from the resumed step the rate goes linearly from its current value to ``--final-lr-fraction`` x
+``--lr`` at step N (continuous and non-increasing: every checkpoint on the way sits on one decay),
+recorded in the state so that a later ``--resume`` follows it exactly; repeating the same N is a
+no-op, so every piece can run the same command with its own ``--until``. ``--save-every K`` keeps
+the state of every K-th step beside ``--state-dir`` (``<state-dir>-step<STEP>``, light unless
+``--full-snapshots``), each exportable. Continuing the shipped state to 12,000 steps in pieces, a
+checkpoint every 500 steps (on a copy: ``runs/`` is not tracked)::
+
+    mkdir -p runs/pretrain && cp -r scripts/pretrain_state/shapes-t2i-bert runs/pretrain/bert-12k
+    RECIPE="--text-encoder bert --timestep-shift 2 --family-weights position=2"
+    EXTEND="--state-dir runs/pretrain/bert-12k --resume --extend-to 12000 --save-every 500 --no-eval --out runs/pretrain/bert-12k-model"
+    python scripts/pretrain_shapes.py $RECIPE $EXTEND --until 6000   # then --until 7500, 9000, ... or none: to 12,000
+    python scripts/pretrain_shapes.py $RECIPE --state-dir runs/pretrain/bert-12k-step006000 --resume --export-only \\
+        --no-eval --out runs/pretrain/bert-6000   # a checkpoint's EMA model, for `diffalign eval --prompts validation`
 
 (The state of the model shipped before, with the defaults' causal CLIP encoder, is in the history:
 ``git checkout b163d1d -- scripts/pretrain_state/shapes-t2i-xattn16-pooled``; the one before it, with cross-attention at 8x8 only, is in the
@@ -63,6 +79,10 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, default=None, help="also stop after this much wall time")
     p.add_argument("--until", type=int, default=None,
                    help="stop at this step (state saved; the schedule still spans --steps): a planned interruption")
+    p.add_argument("--extend-to", type=int, default=None, metavar="N",
+                   help="with --resume: continue the state's run to N steps in all, beyond its schedule's end; from the "
+                        "resumed step the rate goes linearly from its current value to --final-lr-fraction x lr at step "
+                        "N (recorded in the state; repeating the same N is a no-op, so the pieces can share a command)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
     p.add_argument("--warmup", type=int, default=100, help="linear warmup steps, then constant")
@@ -106,6 +126,11 @@ def parse_args(argv=None):
                    help="save the --state-dir state without the Adam moments (half the size); a resume from it "
                         "starts Adam afresh with a re-warm-up of the rate (--rewarm-steps) instead of exactly")
     p.add_argument("--ckpt-every", type=int, default=500, help="save the state (and quick-eval) every N steps")
+    p.add_argument("--save-every", type=int, default=None, metavar="K",
+                   help="also keep the state of every K-th step in its own folder beside --state-dir, "
+                        "<state-dir>-step<STEP> (light unless --full-snapshots); each resumes or exports "
+                        "(--state-dir <it> --resume --export-only)")
+    p.add_argument("--full-snapshots", action="store_true", help="--save-every keeps full states (with the Adam moments)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the state in --state-dir: exactly from a full state; from a light one "
                         "with fresh Adam moments and a re-warm-up of the rate")
@@ -272,6 +297,11 @@ class Schedule:
 
     * the base (:func:`lr_factor`): linear warm-up over ``warmup`` steps, constant, then a linear
       decay over the last ``decay_steps`` of ``steps`` to ``final_lr_fraction``;
+    * ``extensions`` (``--extend-to``): ``{"from_step": S, "from_factor": f, "to_step": N}`` replaces
+      the factor from step ``S`` on by a line from ``f`` (the schedule's factor at ``S``) to
+      ``final_lr_fraction`` at step ``N``, the schedule's new end. Continuous at ``S`` and
+      non-increasing after it wherever the schedule was, so every checkpoint of an extended run sits
+      on one monotone decay;
     * ``rewarms`` (each resume of a light state): ``{"from_step": R, "steps": n}`` multiplies the
       factor by ``min(1, (s - R + 1) / n)`` from step ``R`` on: fresh Adam moments start at a small
       rate, as a fresh run does.
@@ -282,6 +312,7 @@ class Schedule:
     steps: int
     decay_steps: int
     final_lr_fraction: float
+    extensions: list = dataclasses.field(default_factory=list)
     rewarms: list = dataclasses.field(default_factory=list)
 
     @classmethod
@@ -303,10 +334,33 @@ class Schedule:
     @property
     def end(self) -> int:
         """The step the schedule ends at (a run without ``--until`` stops there)."""
-        return self.steps
+        return self.extensions[-1]["to_step"] if self.extensions else self.steps
+
+    def extend(self, step: int, to_step: int) -> bool:
+        """``--extend-to to_step`` from the state at ``step``: add the extension (True), or nothing when
+        the schedule already ends there through one (False). ``ValueError`` when ``to_step`` is not
+        beyond both ``step`` and the schedule's end."""
+        if self.extensions and to_step == self.end:
+            return False
+        if to_step <= step:
+            raise ValueError(f"--extend-to {to_step} is not above the state's step {step}")
+        if to_step <= self.end:
+            raise ValueError(f"--extend-to {to_step} is not beyond the schedule's end at step {self.end} "
+                             f"(--resume without it continues inside the schedule)")
+        self.extensions.append({"from_step": step, "from_factor": self.decay_factor(step), "to_step": to_step})
+        return True
+
+    def decay_factor(self, step: int) -> float:
+        """The factor without the re-warm-ups: the base, or the extension in force at ``step``."""
+        current = [e for e in self.extensions if e["from_step"] <= step]
+        if not current:
+            return lr_factor(step, self)
+        e = current[-1]
+        done = min(1.0, (step - e["from_step"]) / (e["to_step"] - e["from_step"]))
+        return e["from_factor"] + done * (self.final_lr_fraction - e["from_factor"])
 
     def factor(self, step: int) -> float:
-        f = lr_factor(step, self)
+        f = self.decay_factor(step)
         for r in self.rewarms:
             if r["steps"] and step >= r["from_step"]:
                 f *= min(1.0, (step - r["from_step"] + 1) / r["steps"])
@@ -315,6 +369,9 @@ class Schedule:
     def describe(self) -> str:
         text = (f"lr {self.lr:g}, warm-up {self.warmup} steps, constant, then linear decay over the last "
                 f"{self.decay_steps} of {self.steps} steps to {self.final_lr_fraction:g} x lr")
+        for e in self.extensions:
+            text += (f"; extended at step {e['from_step']}: linear from {e['from_factor']:.4g} x lr to "
+                     f"{self.final_lr_fraction:g} x lr at step {e['to_step']}")
         for r in self.rewarms:
             text += f"; re-warmed linearly from 0 over {r['steps']} steps from step {r['from_step']}"
         return text
@@ -329,6 +386,11 @@ def set_rate(opt, sched, schedule: Schedule, step: int) -> None:
 
 STATE_GROUPS = ("params", "ema", "exp_avg", "exp_avg_sq")  # one safetensors file each (<20 MB)
 LIGHT_STATE_GROUPS = ("params", "ema")  # a light state: no Adam moments (half the size)
+
+
+def snapshot_dir(state_dir: Path, step: int) -> Path:
+    """Where ``--save-every`` keeps the state of ``step``: ``<state-dir>-step<STEP, 6 digits>``."""
+    return state_dir.with_name(f"{state_dir.name}-step{step:06d}")
 
 
 def usage_error(message: str) -> None:
@@ -440,6 +502,22 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.timestep_shift <= 0:
         raise SystemExit(f"--timestep-shift must be > 0, got {args.timestep_shift}")
+    if args.rewarm_steps is not None and args.rewarm_steps < 0:
+        usage_error(f"--rewarm-steps must be >= 0, got {args.rewarm_steps}")
+    if args.light_state and args.state_dir is None:
+        usage_error("--light-state needs --state-dir (the state it makes light)")
+    if args.rewarm_steps is not None and not args.resume:
+        usage_error("--rewarm-steps applies to --resume from a light state")
+    if args.extend_to is not None and not args.resume:
+        usage_error("--extend-to needs --resume (the state whose run it continues)")
+    if args.extend_to is not None and args.export_only:
+        usage_error("--extend-to continues training; --export-only does not train")
+    if args.save_every is not None and args.save_every < 1:
+        usage_error(f"--save-every must be >= 1, got {args.save_every}")
+    if args.save_every is not None and args.state_dir is None:
+        usage_error("--save-every needs --state-dir (the snapshots sit beside it)")
+    if args.full_snapshots and args.save_every is None:
+        usage_error("--full-snapshots applies to --save-every")
     progress.set_quiet(args.quiet)
     torch.set_num_threads(args.threads)
     from diffusers.utils import logging as diffusers_logging
@@ -459,8 +537,6 @@ def main(argv=None) -> None:
     sampler = PromptSampler(train_prompts, rng, parse_family_weights(args.family_weights))
 
     arch = architecture(args)
-    if args.rewarm_steps is not None and args.rewarm_steps < 0:
-        usage_error(f"--rewarm-steps must be >= 0, got {args.rewarm_steps}")
 
     def state_meta(step: int, loss_avg) -> dict:
         return {"step": step, "loss_avg": loss_avg, "architecture": arch, "timestep_shift": args.timestep_shift,
@@ -511,10 +587,6 @@ def main(argv=None) -> None:
     loss_avg = None
     step = 0
     state_dir = Path(args.state_dir) if args.state_dir else None
-    if args.light_state and state_dir is None:
-        usage_error("--light-state needs --state-dir (the state it makes light)")
-    if args.rewarm_steps is not None and not args.resume:
-        usage_error("--rewarm-steps applies to --resume from a light state")
     if args.resume:  # weights, EMA, LR schedule, both RNGs and (a full state) the Adam moments
         if state_dir is None:
             raise SystemExit("--resume needs --state-dir")
@@ -536,6 +608,11 @@ def main(argv=None) -> None:
             print(f"light state: no Adam moments saved; Adam starts fresh moments at step {step}, with {how}", flush=True)
         elif args.rewarm_steps is not None and not args.export_only:
             print(f"note: --rewarm-steps is not used: {state_dir} is a full state (its Adam moments resume exactly)", flush=True)
+        if args.extend_to is not None:
+            try:
+                schedule.extend(step, args.extend_to)
+            except ValueError as err:
+                usage_error(str(err))
         set_rate(opt, sched, schedule, step)
         saved_shift = float(info.get("timestep_shift", 1.0))  # states saved before the flag: uniform t
         if saved_shift != args.timestep_shift and not args.export_only:
@@ -594,6 +671,9 @@ def main(argv=None) -> None:
                 res = evaluate(eval_pipe(*ema_state()), heldout_prompts, 16, args.eval_steps, cfg_scale)
                 say(f"[eval step {step}, {time.time() - t_ev:.0f}s] " + "  ".join(f"{k} {v:.2f}" for k, v in res.items()))
                 unet.train(), text_encoder.train()
+        if args.save_every and step % args.save_every == 0:
+            save_state(snapshot_dir(state_dir, step), params, ema, opt, sched, rng, state_meta(step, loss_avg),
+                       light=not args.full_snapshots)
 
     bar.close()
     print(f"trained to step {step} ({step - first_step} steps) in {(time.time() - start) / 60:.1f} min", flush=True)

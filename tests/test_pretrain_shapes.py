@@ -267,3 +267,99 @@ def test_bad_light_state_flags_exit_2_with_one_line(pretrain, tmp_path, capsys, 
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0]
+
+
+def test_extend_to_continues_the_rate_linearly_to_the_final_one(pretrain):
+    """A 10-step schedule (warm-up 2, decay over the last 4 to 0.1) extended at step 8 to 20 steps:
+    unchanged before step 8, then a line from its value there to 0.1 at step 20, the new end; a
+    second extension starts where the first one is. The same N again is a no-op."""
+    args = pretrain.parse_args(["--steps", "10", "--warmup", "2", "--decay-steps", "4", "--final-lr-fraction", "0.1"])
+    schedule = pretrain.Schedule.from_args(args)
+    before = [schedule.factor(s) for s in range(21)]
+    assert schedule.end == 10 and before[8] == pytest.approx(1 - 2 / 4 * 0.9)  # 0.55
+    assert schedule.extend(8, 20) and schedule.end == 20
+    after = [schedule.factor(s) for s in range(25)]
+    assert after[:9] == before[:9]
+    assert after[14] == pytest.approx((0.55 + 0.1) / 2) and after[20] == pytest.approx(0.1) and after[24] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(after[8:], after[9:]))
+    assert [after[s] for s in range(8, 21)] == pytest.approx([0.55 - 0.45 * (s - 8) / 12 for s in range(8, 21)])
+    assert not schedule.extend(14, 20) and schedule.end == 20  # already extended to 20
+    assert schedule.extend(14, 26) and schedule.factor(14) == pytest.approx(after[14])
+    assert schedule.factor(20) == pytest.approx(0.325 + (0.1 - 0.325) * 6 / 12)
+    for step, n, match in ((10, 10, "not above the state's step 10"), (6, 10, "not beyond the schedule's end at step 10"),
+                           (6, 8, "not beyond the schedule's end at step 10")):
+        with pytest.raises(ValueError, match=match):
+            pretrain.Schedule.from_args(args).extend(step, n)
+    assert pretrain.Schedule.from_record(schedule.record()) == schedule
+
+
+def test_extended_run_in_pieces_equals_one_uninterrupted_extended_run(pretrain, tmp_path, capsys):
+    _run(pretrain, tmp_path, "straight", 5, "--until", "3")
+    straight = _run(pretrain, tmp_path, "straight", 5, "--resume", "--extend-to", "8")
+    _run(pretrain, tmp_path, "pieces", 5, "--until", "3")
+    pieces = _run(pretrain, tmp_path, "pieces", 5, "--resume", "--extend-to", "8", "--until", "5")
+    info = json.loads((pieces / "state.json").read_text())
+    factor3 = pretrain.lr_factor(3, pretrain.parse_args(["--steps", "5", "--warmup", "2", "--decay-steps", "2"]))
+    assert info["step"] == 5 and info["schedule"]["extensions"] == [{"from_step": 3, "from_factor": factor3, "to_step": 8}]
+    capsys.readouterr()
+    _run(pretrain, tmp_path, "pieces", 5, "--resume", "--until", "6")  # the recorded extension goes on
+    assert "extended at step 3" in capsys.readouterr().out
+    _run(pretrain, tmp_path, "pieces", 5, "--resume", "--extend-to", "8")  # the same N again: the same schedule
+    a_info, b_info = (json.loads((d / "state.json").read_text()) for d in (straight, pieces))
+    assert a_info["step"] == b_info["step"] == 8 and a_info["schedule"] == b_info["schedule"]
+    assert a_info["sched"] == b_info["sched"]
+    for group in pretrain.STATE_GROUPS:
+        a, b = load_file(str(straight / f"{group}.safetensors")), load_file(str(pieces / f"{group}.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), group
+
+
+@pytest.mark.parametrize("first, extra, needle", [
+    (3, ["--resume", "--extend-to", "2"], "--extend-to 2 is not above the state's step 3"),
+    (3, ["--resume", "--extend-to", "3"], "--extend-to 3 is not above the state's step 3"),
+    (2, ["--resume", "--extend-to", "4"], "--extend-to 4 is not beyond the schedule's end at step 5"),
+    (0, ["--extend-to", "9"], "--extend-to needs --resume"),
+    (0, ["--resume", "--export-only", "--extend-to", "9"], "--export-only does not train"),
+    (0, ["--save-every", "0"], "--save-every must be >= 1"),
+    (0, ["--full-snapshots"], "--full-snapshots applies to --save-every"),
+])
+def test_bad_extension_flags_exit_2_with_one_line(pretrain, tmp_path, capsys, first, extra, needle):
+    if first:
+        _run(pretrain, tmp_path, "run", 5, "--until", str(first))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err:
+        _run(pretrain, tmp_path, "run", 5, *extra)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_save_every_keeps_light_snapshots_that_export(pretrain, tmp_path):
+    state = _run(pretrain, tmp_path, "run", 5, "--save-every", "2")
+    snaps = sorted(p.name for p in tmp_path.joinpath("run").iterdir() if p.name.startswith("state-"))
+    assert snaps == ["state-step000002", "state-step000004"]
+    snap = state.with_name("state-step000004")
+    info = json.loads((snap / "state.json").read_text())
+    assert info["step"] == 4 and info["kind"] == "light" and not (snap / "exp_avg.safetensors").exists()
+    assert json.loads((state / "state.json").read_text())["kind"] == "full"  # the main state: full unless --light-state
+    pretrain.main(["--tiny", "--no-eval", "--threads", "1", "--state-dir", str(snap), "--resume", "--export-only",
+                   "--out", str(tmp_path / "export4")])
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    exported = ShapesPipeline.from_pretrained(str(tmp_path / "export4"))
+    torch.testing.assert_close(next(iter(exported.unet.parameters())).float(),
+                               load_file(str(snap / "ema.safetensors"))["0"].half().float())
+    full = _run(pretrain, tmp_path, "full", 2, "--save-every", "2", "--full-snapshots").with_name("state-step000002")
+    assert json.loads((full / "state.json").read_text())["kind"] == "full" and (full / "exp_avg_sq.safetensors").exists()
+
+
+def test_extending_the_shipped_state_starts_from_its_rate(pretrain, repo_root):
+    """The documented continuation of the shipped state to 12,000 steps: the extension starts at the
+    rate the state's next step would take (4.6e-4) and ends at 1e-4."""
+    info = json.loads((repo_root / "scripts" / "pretrain_state" / "shapes-t2i-bert" / "state.json").read_text())
+    assert "schedule" not in info  # saved before the record: the recipe's flags give its schedule
+    recipe = [a for a in pretrain.SHIPPED_RECIPE if a not in ("--until", "4500")]
+    schedule = pretrain.Schedule.from_args(pretrain.parse_args(recipe))
+    assert schedule.extend(info["step"], 12000)
+    rates = [schedule.lr * schedule.factor(s) for s in (4500, 6000, 9000, 12000)]
+    assert rates[0] == pytest.approx(info["sched"]["_last_lr"][0], rel=1e-12)
+    assert rates == pytest.approx([4.6e-4, 3.88e-4, 2.44e-4, 1e-4])
