@@ -54,6 +54,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import shutil
 import sys
 import time
@@ -593,13 +594,18 @@ def main(argv=None) -> None:
         info = load_state(state_dir, params, ema, opt, sched, rng, arch)
         step, loss_avg = info["step"], info["loss_avg"]
         print(f"resumed from {state_dir} at step {step} ({info['kind']} state)", flush=True)
-        if "schedule" in info:  # states saved before the record: the flags give the schedule
+        if "schedule" in info:
             schedule = Schedule.from_record(info["schedule"])
             flags = Schedule.from_args(args).base()
             if flags != schedule.base() and not args.export_only:
                 changed = ", ".join(f"{k} {flags[k]:g}" for k in flags if flags[k] != schedule.base()[k])
                 print(f"note: the state's recorded schedule goes on ({schedule.describe()}); the flags' {changed} "
                       f"are not used", flush=True)
+        elif not args.export_only:  # saved before the record: the flags give the schedule, and should give its rate
+            saved, ours = info["sched"]["_last_lr"][0], sched.base_lrs[0] * schedule.factor(step)
+            if not math.isclose(saved, ours, rel_tol=1e-9):
+                print(f"note: these flags' schedule gives step {step} the rate {ours:.3g}, the state's gave {saved:.3g}: "
+                      f"the rate jumps (the flags it was trained with continue its curve)", flush=True)
         if info["kind"] == "light" and not args.export_only:
             rewarm = schedule.warmup if args.rewarm_steps is None else args.rewarm_steps
             schedule.rewarms.append({"from_step": step, "steps": rewarm})

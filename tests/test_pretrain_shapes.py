@@ -363,3 +363,21 @@ def test_extending_the_shipped_state_starts_from_its_rate(pretrain, repo_root):
     rates = [schedule.lr * schedule.factor(s) for s in (4500, 6000, 9000, 12000)]
     assert rates[0] == pytest.approx(info["sched"]["_last_lr"][0], rel=1e-12)
     assert rates == pytest.approx([4.6e-4, 3.88e-4, 2.44e-4, 1e-4])
+
+
+def test_a_state_without_a_schedule_record_takes_the_flags_and_names_a_jump(pretrain, tmp_path, capsys):
+    """States saved before the record (the shipped one) follow the flags, as before; flags whose rate
+    at the resumed step differs from the state's say so."""
+    state = _run(pretrain, tmp_path, "old", 6, "--until", "4")
+    info = json.loads((state / "state.json").read_text())
+    del info["schedule"]
+    (state / "state.json").write_text(json.dumps(info))
+    capsys.readouterr()
+    _run(pretrain, tmp_path, "old", 6, "--resume", "--until", "5")  # the same flags: no note
+    assert "note:" not in capsys.readouterr().out
+    info = json.loads((state / "state.json").read_text())
+    assert info["schedule"]["steps"] == 6  # recorded from the flags from now on
+    del info["schedule"]
+    (state / "state.json").write_text(json.dumps(info))
+    _run(pretrain, tmp_path, "old", 20, "--resume", "--until", "6")
+    assert "note: these flags' schedule gives step 5 the rate" in capsys.readouterr().out
