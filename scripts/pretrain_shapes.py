@@ -79,7 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5500, help="optimizer steps (the shipped model's budget)")
     p.add_argument("--minutes", type=float, default=None, help="also stop after this much wall time")
     p.add_argument("--until", type=int, default=None,
-                   help="stop at this step (state saved; the schedule still spans --steps): a planned interruption")
+                   help="stop at this step (state saved; the schedule still runs to its end, --steps or "
+                        "--extend-to's N): a planned interruption")
     p.add_argument("--extend-to", type=int, default=None, metavar="N",
                    help="with --resume: continue the state's run to N steps in all, beyond its schedule's end; from the "
                         "resumed step the rate goes linearly from its current value to --final-lr-fraction x lr at step "
