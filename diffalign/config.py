@@ -356,6 +356,10 @@ class AlgorithmConfig:
         """How the SDE kernel reduces its Gaussian log-density over latent elements."""
         return "mean"
 
+    def check_sampling(self, sampling: SamplingConfig, prefix: str = "algorithm") -> None:
+        """Refuse a combination of this method's keys with the ``sampling`` section (a
+        :class:`ConfigError` naming ``prefix.key``); run after every section validated."""
+
     def rewards_in_groups(self) -> bool:
         """Whether the method scores whole images in prompt groups and tells the reward each image's
         group (``metadata["group"]``), so that a reward comparing the images of a group (``pairwise``)
@@ -426,6 +430,12 @@ class GuardOptions:
         super().validate(prefix)
 
 
+# sampling.kernel values whose step noise std is sigma_t * sqrt(|dt|), where Flow-GRPO's reference KL
+# is defined (the same list as diffalign.sampling.linear.SQRT_DT_KERNELS, which imports torch;
+# tests/test_kl_definition.py keeps the two equal)
+SQRT_DT_KERNELS = ("flow_grpo", "dance")
+
+
 @dataclass
 class ClippedPolicyOptions(GuardOptions):
     """The PPO-style clipped ratio loss on SDE transitions, with a KL term to the reference."""
@@ -433,11 +443,26 @@ class ClippedPolicyOptions(GuardOptions):
     clip_range: float = 1e-4  # PPO epsilon
     beta: float = 0.0  # KL weight against the adapter-disabled reference; 0 skips the reference forward
     logprob_reduction: Literal["mean", "sum"] = "mean"  # Gaussian log-density over latent dims
+    # what `beta` weighs per trained step: "exact" = the KL of the two Gaussian transitions,
+    # mean((mu - mu_ref)^2) / (2 std^2) with std the step's noise std; "reference" = Flow-GRPO's
+    # code, which divides by sigma_t^2 without |dt| (the exact KL times |dt|; its beta values, 0.04
+    # for GenEval, assume this). "reference" needs a kernel whose std is sigma_t sqrt(|dt|): flow_grpo, dance
+    kl_definition: Literal["exact", "reference"] = "exact"
 
     def validate(self, prefix: str = "algorithm") -> None:
         check(0 < self.clip_range < 1, f"{prefix}.clip_range", "must be in (0, 1)")
         check(self.beta >= 0, f"{prefix}.beta", "must be >= 0")
+        check(self.kl_definition in ("exact", "reference"), f"{prefix}.kl_definition", "must be 'exact' or 'reference'")
         super().validate(prefix)
+
+    def check_sampling(self, sampling: SamplingConfig, prefix: str = "algorithm") -> None:
+        if self.kl_definition == "reference" and self.beta > 0 and sampling.kernel not in SQRT_DT_KERNELS:
+            why = {"cps": "its step std is s' sin(a pi / 2), not sigma_t sqrt(|dt|), and Flow-GRPO's code divides its KL "
+                          "by that std: the 'exact' KL",
+                   "ddim": "it steps between discrete timesteps and has no |dt|"}.get(sampling.kernel, "it has no |dt|")
+            check(False, f"{prefix}.kl_definition", f"'reference' (the KL times the step's |dt|) needs sampling.kernel "
+                  f"{' or '.join(SQRT_DT_KERNELS)}; kernel {sampling.kernel}: {why}; use 'exact'")
+        super().check_sampling(sampling, prefix)
 
     def kernel_reduction(self) -> str:
         return self.logprob_reduction
@@ -492,6 +517,7 @@ class RunConfig:
             value = getattr(self, f.name)
             if hasattr(value, "validate") and f.name != "algorithm":
                 value.validate()
+        self.algorithm.check_sampling(self.sampling, "algorithm")
 
     # derived numbers, printed at start -------------------------------------------------
     def derived(self, num_processes: int = 1) -> dict[str, int]:

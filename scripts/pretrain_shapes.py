@@ -12,9 +12,32 @@ drawn through a shift of 2 and position prompts twice as often (:data:`SHIPPED_R
 step 4,500 of the 5,500-step schedule; resumable at any point from the training state that
 ``--state-dir`` keeps (safetensors + JSON, no pickle)::
 
-    python scripts/pretrain_shapes.py --text-encoder bert --timestep-shift 2 --family-weights position=2 --until 4500 \
+    python scripts/pretrain_shapes.py --text-encoder bert --timestep-shift 2 --family-weights position=2 --until 4500 \\
         --out diffalign/assets/shapes-t2i --state-dir scripts/pretrain_state/shapes-t2i-bert
     # interrupted? the same command with --resume continues exactly where the state was saved
+
+A state is full (``state.json``: ``"kind": "full"``; weights, EMA, Adam moments, schedule, RNGs;
+about 74 MB for the shipped model) or, with ``--light-state``, light (no Adam moments; about 37 MB).
+``--resume`` continues a full state exactly; from a light one it says so in one line, starts Adam
+with fresh moments and re-warms the rate linearly from 0 over ``--rewarm-steps`` (default: the
+warm-up), and otherwise continues (step, schedule, EMA, RNGs). ``state.json`` records the schedule
+(:class:`Schedule`), which a resume follows whatever the flags say.
+
+``--extend-to N`` (with ``--resume``) continues a run beyond its schedule's end, to N steps in all:
+from the resumed step the rate goes linearly from its current value to ``--final-lr-fraction`` x
+``--lr`` at step N (continuous and non-increasing: every checkpoint on the way sits on one decay),
+recorded in the state so that a later ``--resume`` follows it exactly; repeating the same N is a
+no-op, so every piece can run the same command with its own ``--until``. ``--save-every K`` keeps
+the state of every K-th step beside ``--state-dir`` (``<state-dir>-step<STEP>``, light unless
+``--full-snapshots``), each exportable. Continuing the shipped state to 12,000 steps in pieces, a
+checkpoint every 500 steps (on a copy: ``runs/`` is not tracked)::
+
+    mkdir -p runs/pretrain && cp -r scripts/pretrain_state/shapes-t2i-bert runs/pretrain/bert-12k
+    RECIPE="--text-encoder bert --timestep-shift 2 --family-weights position=2"
+    EXTEND="--state-dir runs/pretrain/bert-12k --resume --extend-to 12000 --save-every 500 --no-eval --out runs/pretrain/bert-12k-model"
+    python scripts/pretrain_shapes.py $RECIPE $EXTEND --until 6000   # then --until 7500, 9000, ... or none: to 12,000
+    python scripts/pretrain_shapes.py $RECIPE --state-dir runs/pretrain/bert-12k-step006000 --resume --export-only \\
+        --no-eval --out runs/pretrain/bert-6000   # a checkpoint's EMA model, for `diffalign eval --prompts validation`
 
 (The state of the model shipped before, with the defaults' causal CLIP encoder, is in the history:
 ``git checkout b163d1d -- scripts/pretrain_state/shapes-t2i-xattn16-pooled``; the one before it, with cross-attention at 8x8 only, is in the
@@ -31,6 +54,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import shutil
 import sys
 import time
@@ -55,7 +79,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5500, help="optimizer steps (the shipped model's budget)")
     p.add_argument("--minutes", type=float, default=None, help="also stop after this much wall time")
     p.add_argument("--until", type=int, default=None,
-                   help="stop at this step (state saved; the schedule still spans --steps): a planned interruption")
+                   help="stop at this step (state saved; the schedule still runs to its end, --steps or "
+                        "--extend-to's N): a planned interruption")
+    p.add_argument("--extend-to", type=int, default=None, metavar="N",
+                   help="with --resume: continue the state's run to N steps in all, beyond its schedule's end; from the "
+                        "resumed step the rate goes linearly from its current value to --final-lr-fraction x lr at step "
+                        "N (recorded in the state; repeating the same N is a no-op, so the pieces can share a command)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
     p.add_argument("--warmup", type=int, default=100, help="linear warmup steps, then constant")
@@ -95,8 +124,21 @@ def parse_args(argv=None):
     p.add_argument("--state-dir", default=None,
                    help="keep the exact training state here (weights, EMA, Adam moments, schedule, RNGs), "
                         "rewritten atomically every --ckpt-every steps and at the end")
+    p.add_argument("--light-state", action="store_true",
+                   help="save the --state-dir state without the Adam moments (half the size); a resume from it "
+                        "starts Adam afresh with a re-warm-up of the rate (--rewarm-steps) instead of exactly")
     p.add_argument("--ckpt-every", type=int, default=500, help="save the state (and quick-eval) every N steps")
-    p.add_argument("--resume", action="store_true", help="continue exactly from the state in --state-dir")
+    p.add_argument("--save-every", type=int, default=None, metavar="K",
+                   help="also keep the state of every K-th step in its own folder beside --state-dir, "
+                        "<state-dir>-step<STEP> (light unless --full-snapshots); each resumes or exports "
+                        "(--state-dir <it> --resume --export-only)")
+    p.add_argument("--full-snapshots", action="store_true", help="--save-every keeps full states (with the Adam moments)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the state in --state-dir: exactly from a full state; from a light one "
+                        "with fresh Adam moments and a re-warm-up of the rate")
+    p.add_argument("--rewarm-steps", type=int, default=None,
+                   help="resuming a light state: the rate rises linearly from 0 over these steps (default: "
+                        "the schedule's --warmup), as fresh Adam moments would otherwise take full-size steps")
     p.add_argument("--export-only", action="store_true",
                    help="with --resume: write --out from the state's EMA weights (and evaluate it) without training")
     p.add_argument("--eval-per-family", type=int, default=48, help="final eval: images per family and split")
@@ -250,13 +292,120 @@ def lr_factor(step: int, args) -> float:
     return factor
 
 
+@dataclasses.dataclass
+class Schedule:
+    """The learning rate of step ``s`` (0-based) is ``lr * factor(s)``. Recorded in ``state.json``
+    (``schedule``), so that a resume follows the curve the state was trained on, whatever the flags.
+
+    * the base (:func:`lr_factor`): linear warm-up over ``warmup`` steps, constant, then a linear
+      decay over the last ``decay_steps`` of ``steps`` to ``final_lr_fraction``;
+    * ``extensions`` (``--extend-to``): ``{"from_step": S, "from_factor": f, "to_step": N}`` replaces
+      the factor from step ``S`` on by a line from ``f`` (the schedule's factor at ``S``) to
+      ``final_lr_fraction`` at step ``N``, the schedule's new end. Continuous at ``S`` and
+      non-increasing after it wherever the schedule was, so every checkpoint of an extended run sits
+      on one monotone decay;
+    * ``rewarms`` (each resume of a light state): ``{"from_step": R, "steps": n}`` multiplies the
+      factor by ``min(1, (s - R + 1) / n)`` from step ``R`` on: fresh Adam moments start at a small
+      rate, as a fresh run does.
+    """
+
+    lr: float
+    warmup: int
+    steps: int
+    decay_steps: int
+    final_lr_fraction: float
+    extensions: list = dataclasses.field(default_factory=list)
+    rewarms: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_args(cls, args) -> "Schedule":
+        return cls(lr=args.lr, warmup=args.warmup, steps=args.steps, decay_steps=args.decay_steps,
+                   final_lr_fraction=args.final_lr_fraction)
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Schedule":
+        return cls(**record)
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def base(self) -> dict:
+        """The fields the flags set (compared with the flags on a resume)."""
+        return {k: getattr(self, k) for k in ("lr", "warmup", "steps", "decay_steps", "final_lr_fraction")}
+
+    @property
+    def end(self) -> int:
+        """The step the schedule ends at (a run without ``--until`` stops there)."""
+        return self.extensions[-1]["to_step"] if self.extensions else self.steps
+
+    def extend(self, step: int, to_step: int) -> bool:
+        """``--extend-to to_step`` from the state at ``step``: add the extension (True), or nothing when
+        the schedule already ends there through one (False). ``ValueError`` when ``to_step`` is not
+        beyond both ``step`` and the schedule's end."""
+        if self.extensions and to_step == self.end:
+            return False
+        if to_step <= step:
+            raise ValueError(f"--extend-to {to_step} is not above the state's step {step}")
+        if to_step <= self.end:
+            raise ValueError(f"--extend-to {to_step} is not beyond the schedule's end at step {self.end} "
+                             f"(--resume without it continues inside the schedule)")
+        self.extensions.append({"from_step": step, "from_factor": self.decay_factor(step), "to_step": to_step})
+        return True
+
+    def decay_factor(self, step: int) -> float:
+        """The factor without the re-warm-ups: the base, or the extension in force at ``step``."""
+        current = [e for e in self.extensions if e["from_step"] <= step]
+        if not current:
+            return lr_factor(step, self)
+        e = current[-1]
+        done = min(1.0, (step - e["from_step"]) / (e["to_step"] - e["from_step"]))
+        return e["from_factor"] + done * (self.final_lr_fraction - e["from_factor"])
+
+    def factor(self, step: int) -> float:
+        f = self.decay_factor(step)
+        for r in self.rewarms:
+            if r["steps"] and step >= r["from_step"]:
+                f *= min(1.0, (step - r["from_step"] + 1) / r["steps"])
+        return f
+
+    def describe(self) -> str:
+        text = (f"lr {self.lr:g}, warm-up {self.warmup} steps, constant, then linear decay over the last "
+                f"{self.decay_steps} of {self.steps} steps to {self.final_lr_fraction:g} x lr")
+        for e in self.extensions:
+            text += (f"; extended at step {e['from_step']}: linear from {e['from_factor']:.4g} x lr to "
+                     f"{self.final_lr_fraction:g} x lr at step {e['to_step']}")
+        for r in self.rewarms:
+            text += f"; re-warmed linearly from 0 over {r['steps']} steps from step {r['from_step']}"
+        return text
+
+
+def set_rate(opt, sched, schedule: Schedule, step: int) -> None:
+    """Give the optimizer the rate of ``step`` (the next one) as the LR scheduler would have."""
+    sched._last_lr = [base * schedule.factor(step) for base in sched.base_lrs]
+    for group, lr in zip(opt.param_groups, sched._last_lr):
+        group["lr"] = lr
+
+
 STATE_GROUPS = ("params", "ema", "exp_avg", "exp_avg_sq")  # one safetensors file each (<20 MB)
+LIGHT_STATE_GROUPS = ("params", "ema")  # a light state: no Adam moments (half the size)
 
 
-def save_state(state_dir: Path, params, ema, opt, sched, rng, meta: dict) -> None:
-    """Write the exact training state to ``state_dir``: a safetensors file per tensor group and
-    ``state.json`` (step, schedule, Adam step counts, both RNGs). Written to a sibling folder and
-    swapped in, so an interruption leaves the previous state whole."""
+def snapshot_dir(state_dir: Path, step: int) -> Path:
+    """Where ``--save-every`` keeps the state of ``step``: ``<state-dir>-step<STEP, 6 digits>``."""
+    return state_dir.with_name(f"{state_dir.name}-step{step:06d}")
+
+
+def usage_error(message: str) -> None:
+    """A bad flag value: one line on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def save_state(state_dir: Path, params, ema, opt, sched, rng, meta: dict, *, light: bool = False) -> None:
+    """Write the training state to ``state_dir``: a safetensors file per tensor group and
+    ``state.json`` (step, schedule, Adam step counts, both RNGs, ``kind``). ``light``: without the
+    Adam moments (``kind: light``; a resume re-warms them), else exact (``kind: full``). Written
+    to a sibling folder and swapped in, so an interruption leaves the previous state whole."""
     from safetensors.torch import save_file
 
     tmp = state_dir.with_name(state_dir.name + ".tmp")
@@ -268,11 +417,12 @@ def save_state(state_dir: Path, params, ema, opt, sched, rng, meta: dict) -> Non
                                  "exp_avg_sq": torch.zeros_like(p)} for p in params]
     groups = {"params": [p.detach() for p in params], "ema": ema or [],
               "exp_avg": [a["exp_avg"] for a in adam], "exp_avg_sq": [a["exp_avg_sq"] for a in adam]}
-    for name, tensors in groups.items():
-        save_file({str(i): t.detach().contiguous() for i, t in enumerate(tensors)}, str(tmp / f"{name}.safetensors"))
+    for name in LIGHT_STATE_GROUPS if light else STATE_GROUPS:
+        save_file({str(i): t.detach().contiguous() for i, t in enumerate(groups[name])}, str(tmp / f"{name}.safetensors"))
     save_file({"torch_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
-    info = dict(meta, adam_steps=[float(a["step"]) for a in adam], sched=sched.state_dict(),
-                numpy_rng=rng.bit_generator.state)
+    info = dict(meta, kind="light" if light else "full", sched=sched.state_dict(), numpy_rng=rng.bit_generator.state)
+    if not light:
+        info["adam_steps"] = [float(a["step"]) for a in adam]
     (tmp / "state.json").write_text(json.dumps(info, indent=1))
     old = state_dir.with_name(state_dir.name + ".old")
     if state_dir.exists():
@@ -283,8 +433,10 @@ def save_state(state_dir: Path, params, ema, opt, sched, rng, meta: dict) -> Non
 
 
 def load_state(state_dir: Path, params, ema, opt, sched, rng, arch: dict = DEFAULT_ARCHITECTURE) -> dict:
-    """Restore what :func:`save_state` wrote; returns its meta (step, loss_avg, ...). ``arch`` (the
-    architecture flags' fields) must be the one the state was trained with."""
+    """Restore what :func:`save_state` wrote; returns its meta (step, loss_avg, kind, ...). ``arch``
+    (the architecture flags' fields) must be the one the state was trained with. A light state
+    (``kind: light``) leaves Adam without state: its first step starts fresh moments. States saved
+    before the kinds existed are full."""
     from safetensors.torch import load_file
 
     if not (state_dir / "state.json").is_file():
@@ -294,7 +446,8 @@ def load_state(state_dir: Path, params, ema, opt, sched, rng, arch: dict = DEFAU
     if saved_arch != arch:
         raise SystemExit(f"--resume: {str(state_dir)!r} was trained with architecture {saved_arch}, "
                          f"the arguments give {arch}; pass the same architecture flags")
-    groups = {name: load_file(str(state_dir / f"{name}.safetensors")) for name in STATE_GROUPS}
+    light = info.setdefault("kind", "full") == "light"
+    groups = {name: load_file(str(state_dir / f"{name}.safetensors")) for name in (LIGHT_STATE_GROUPS if light else STATE_GROUPS)}
     if len(groups["params"]) != len(params):
         raise SystemExit(f"--resume: {str(state_dir)!r} holds {len(groups['params'])} tensors, the model has {len(params)}")
     with torch.no_grad():
@@ -302,8 +455,11 @@ def load_state(state_dir: Path, params, ema, opt, sched, rng, arch: dict = DEFAU
             p.copy_(groups["params"][str(i)])
             if ema is not None:
                 ema[i].copy_(groups["ema"][str(i)])
-            opt.state[p] = {"step": torch.tensor(info["adam_steps"][i]), "exp_avg": groups["exp_avg"][str(i)].clone(),
-                            "exp_avg_sq": groups["exp_avg_sq"][str(i)].clone()}
+            if light:
+                opt.state.pop(p, None)
+            else:
+                opt.state[p] = {"step": torch.tensor(info["adam_steps"][i]), "exp_avg": groups["exp_avg"][str(i)].clone(),
+                                "exp_avg_sq": groups["exp_avg_sq"][str(i)].clone()}
     sched.load_state_dict(info["sched"])
     for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # the rate of the next step
         group["lr"] = lr
@@ -348,6 +504,22 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.timestep_shift <= 0:
         raise SystemExit(f"--timestep-shift must be > 0, got {args.timestep_shift}")
+    if args.rewarm_steps is not None and args.rewarm_steps < 0:
+        usage_error(f"--rewarm-steps must be >= 0, got {args.rewarm_steps}")
+    if args.light_state and args.state_dir is None:
+        usage_error("--light-state needs --state-dir (the state it makes light)")
+    if args.rewarm_steps is not None and not args.resume:
+        usage_error("--rewarm-steps applies to --resume from a light state")
+    if args.extend_to is not None and not args.resume:
+        usage_error("--extend-to needs --resume (the state whose run it continues)")
+    if args.extend_to is not None and args.export_only:
+        usage_error("--extend-to continues training; --export-only does not train")
+    if args.save_every is not None and args.save_every < 1:
+        usage_error(f"--save-every must be >= 1, got {args.save_every}")
+    if args.save_every is not None and args.state_dir is None:
+        usage_error("--save-every needs --state-dir (the snapshots sit beside it)")
+    if args.full_snapshots and args.save_every is None:
+        usage_error("--full-snapshots applies to --save-every")
     progress.set_quiet(args.quiet)
     torch.set_num_threads(args.threads)
     from diffusers.utils import logging as diffusers_logging
@@ -369,7 +541,8 @@ def main(argv=None) -> None:
     arch = architecture(args)
 
     def state_meta(step: int, loss_avg) -> dict:
-        return {"step": step, "loss_avg": loss_avg, "architecture": arch, "timestep_shift": args.timestep_shift}
+        return {"step": step, "loss_avg": loss_avg, "architecture": arch, "timestep_shift": args.timestep_shift,
+                "schedule": schedule.record()}
     config = dataclasses.replace(TINY_CONFIG if args.tiny else ShapesModelConfig(), **arch)
     levels = len(config.block_out_channels)
     if not 1 <= args.cross_attention_levels <= levels:
@@ -388,7 +561,8 @@ def main(argv=None) -> None:
         print(f"initialised from {args.init_from}", flush=True)
     params = list(unet.parameters()) + list(text_encoder.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
+    schedule = Schedule.from_args(args)  # a resume replaces it with the state's record
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule.factor(s))  # reads `schedule` when called
     ema = [p.detach().clone() for p in params] if args.ema_decay > 0 else None
 
     def ema_state():
@@ -415,18 +589,46 @@ def main(argv=None) -> None:
     loss_avg = None
     step = 0
     state_dir = Path(args.state_dir) if args.state_dir else None
-    if args.resume:  # exact continuation: weights, EMA, optimizer, LR schedule and both RNGs
+    if args.resume:  # weights, EMA, LR schedule, both RNGs and (a full state) the Adam moments
         if state_dir is None:
             raise SystemExit("--resume needs --state-dir")
         info = load_state(state_dir, params, ema, opt, sched, rng, arch)
         step, loss_avg = info["step"], info["loss_avg"]
-        print(f"resumed from {state_dir} at step {step}", flush=True)
+        print(f"resumed from {state_dir} at step {step} ({info['kind']} state)", flush=True)
+        if "schedule" in info:
+            schedule = Schedule.from_record(info["schedule"])
+            flags = Schedule.from_args(args).base()
+            if flags != schedule.base() and not args.export_only:
+                changed = ", ".join(f"{k} {flags[k]:g}" for k in flags if flags[k] != schedule.base()[k])
+                print(f"note: the state's recorded schedule goes on ({schedule.describe()}); the flags' {changed} "
+                      f"are not used", flush=True)
+        elif not args.export_only:  # saved before the record: the flags give the schedule, and should give its rate
+            saved, ours = info["sched"]["_last_lr"][0], sched.base_lrs[0] * schedule.factor(step)
+            if not math.isclose(saved, ours, rel_tol=1e-9):
+                print(f"note: these flags' schedule gives step {step} the rate {ours:.3g}, the state's gave {saved:.3g}: "
+                      f"the rate jumps (the flags it was trained with continue its curve)", flush=True)
+        if info["kind"] == "light" and not args.export_only:
+            rewarm = schedule.warmup if args.rewarm_steps is None else args.rewarm_steps
+            schedule.rewarms.append({"from_step": step, "steps": rewarm})
+            how = (f"the rate re-warmed linearly from 0 over {rewarm} steps (--rewarm-steps)" if rewarm
+                   else "no re-warm-up of the rate (--rewarm-steps 0)")
+            print(f"light state: no Adam moments saved; Adam starts fresh moments at step {step}, with {how}", flush=True)
+        elif args.rewarm_steps is not None and not args.export_only:
+            print(f"note: --rewarm-steps is not used: {state_dir} is a full state (its Adam moments resume exactly)", flush=True)
+        if args.extend_to is not None:
+            try:
+                schedule.extend(step, args.extend_to)
+            except ValueError as err:
+                usage_error(str(err))
+        set_rate(opt, sched, schedule, step)
         saved_shift = float(info.get("timestep_shift", 1.0))  # states saved before the flag: uniform t
         if saved_shift != args.timestep_shift and not args.export_only:
             print(f"note: the state was trained with --timestep-shift {saved_shift:g}; continuing with "
                   f"{args.timestep_shift:g}", flush=True)
     first_step = step
-    stop_at = args.steps if args.until is None else min(args.until, args.steps)
+    if not args.export_only:
+        print(f"schedule: {schedule.describe()}", flush=True)
+    stop_at = schedule.end if args.until is None else min(args.until, schedule.end)
     if args.export_only:
         if not args.resume:
             raise SystemExit("--export-only needs --resume (the state to export)")
@@ -470,17 +672,20 @@ def main(argv=None) -> None:
             say(f"step {step:5d}  loss {loss_avg:.4f}  grad {grad_norm:.2f}  lr {sched.get_last_lr()[0]:.2e}  "
                 f"{(step - first_step) / el:.2f} steps/s  {el / 60:.1f} min")
         if state_dir is not None and step % args.ckpt_every == 0:
-            save_state(state_dir, params, ema, opt, sched, rng, state_meta(step, loss_avg))
+            save_state(state_dir, params, ema, opt, sched, rng, state_meta(step, loss_avg), light=args.light_state)
             if not args.no_eval and step % args.ckpt_every == 0:
                 t_ev = time.time()
                 res = evaluate(eval_pipe(*ema_state()), heldout_prompts, 16, args.eval_steps, cfg_scale)
                 say(f"[eval step {step}, {time.time() - t_ev:.0f}s] " + "  ".join(f"{k} {v:.2f}" for k, v in res.items()))
                 unet.train(), text_encoder.train()
+        if args.save_every and step % args.save_every == 0:
+            save_state(snapshot_dir(state_dir, step), params, ema, opt, sched, rng, state_meta(step, loss_avg),
+                       light=not args.full_snapshots)
 
     bar.close()
     print(f"trained to step {step} ({step - first_step} steps) in {(time.time() - start) / 60:.1f} min", flush=True)
     if state_dir is not None and not args.export_only:
-        save_state(state_dir, params, ema, opt, sched, rng, state_meta(step, loss_avg))
+        save_state(state_dir, params, ema, opt, sched, rng, state_meta(step, loss_avg), light=args.light_state)
     unet_sd, text_sd = ema_state()
     save(eval_pipe(unet_sd, text_sd), unet_sd, args.out)
     print(f"saved to {args.out}", flush=True)

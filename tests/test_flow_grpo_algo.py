@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from diffalign.algorithms.flow_grpo import gaussian_mean_kl, group_advantages, ppo_clip_loss
+from diffalign.algorithms.flow_grpo import gaussian_mean_kl, group_advantages, ppo_clip_loss, reference_code_kl, step_kl
 
 
 def test_group_advantages_global_std_by_hand():
@@ -86,3 +86,57 @@ def test_gaussian_mean_kl_matches_closed_form():
     p = torch.distributions.Normal(mean, 0.5)
     q = torch.distributions.Normal(ref, 0.5)
     assert torch.allclose(kl, torch.distributions.kl_divergence(p, q).mean(dim=(1, 2, 3)), atol=1e-6)
+
+
+def test_reference_code_kl_is_the_exact_kl_times_dt_by_hand():
+    """Means 0.2 apart, sigma_t = 1: with |dt| = 0.25 the step's std is 0.5, the exact KL
+    0.04 / (2 * 0.25) = 0.08 and the reference code's 0.04 / (2 * 1) = 0.02 = 0.08 * 0.25."""
+    mean = torch.zeros(2, 3, 4, 4)
+    ref = mean + 0.2
+    abs_dt = torch.tensor([0.25, 0.04])
+    std = (1.0 * abs_dt.sqrt()).view(2, 1, 1, 1)  # sigma_t * sqrt(|dt|)
+    exact = step_kl(mean, ref, std, definition="exact")
+    reference = step_kl(mean, ref, std, definition="reference", abs_dt=abs_dt)
+    assert torch.allclose(exact, torch.tensor([0.08, 0.5]))
+    assert torch.allclose(reference, torch.tensor([0.02, 0.02]))
+    assert torch.allclose(reference, exact * abs_dt)
+    assert torch.allclose(reference_code_kl(mean, ref, torch.tensor(0.5), 0.25), torch.tensor([0.02, 0.02]))
+    with pytest.raises(ValueError, match="abs_dt|dt"):
+        step_kl(mean, ref, std, definition="reference")
+    with pytest.raises(ValueError, match="exact, reference"):
+        step_kl(mean, ref, std, definition="approx")
+
+
+@pytest.mark.parametrize("kernel", ["flow_grpo", "dance"])
+def test_reference_code_kl_matches_the_authors_formula_on_real_steps(kernel):
+    """Transcribed from Flow-GRPO's train_sd3.py / sd3_sde_with_logprob.py: ``std_dev_t`` is the SDE
+    coefficient (``a * sqrt(s / (1 - s))`` for its SDE; DanceGRPO's ``eta``), the KL
+    ``((mean - mean_ref)^2).mean(dims) / (2 * std_dev_t^2)``; the step's own std is
+    ``std_dev_t * sqrt(-dt)``."""
+    from diffalign.sampling.linear import Kernel
+
+    torch.manual_seed(0)
+    a = 0.7 if kernel == "flow_grpo" else 0.3
+    k = Kernel(kernel, a)
+    x = torch.randn(3, 2, 4, 4)
+    v, v_ref = torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 4)
+    s = torch.tensor([0.9, 0.6, 0.3])
+    s_next = torch.tensor([0.8, 0.45, 0.1])
+    step = k.step(v, x, s, s_next, noise=torch.zeros_like(x))
+    ref = k.step(v_ref, x, s, s_next, noise=torch.zeros_like(x))
+    std_dev_t = (a * torch.sqrt(s / (1 - s)) if kernel == "flow_grpo" else torch.full_like(s, a)).view(3, 1, 1, 1)
+    dt = (s_next - s).view(3, 1, 1, 1)
+    assert torch.allclose(step.std.expand(3, 1, 1, 1), std_dev_t * torch.sqrt(-dt))
+    authors = ((step.mean - ref.mean) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (2 * std_dev_t**2)
+    ours = reference_code_kl(step.mean, ref.mean, step.std, k.abs_dt(s, s_next))
+    assert torch.allclose(ours, authors.flatten(), rtol=1e-5)
+    assert torch.allclose(ours, gaussian_mean_kl(step.mean, ref.mean, step.std) * (s - s_next), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["cps", "ddim"])
+def test_kernels_without_dt_have_no_reference_kl(kernel):
+    from diffalign.errors import ConfigError
+    from diffalign.sampling.linear import Kernel
+
+    with pytest.raises(ConfigError, match=f"{kernel} kernel"):
+        Kernel(kernel, 0.5).abs_dt(torch.tensor(0.5), torch.tensor(0.4))

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_shapes.py"
 def pretrain():
     spec = importlib.util.spec_from_file_location("pretrain_shapes", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["pretrain_shapes"] = module  # importlib's recipe: its dataclasses look their module up
     spec.loader.exec_module(module)
-    return module
+    yield module
+    sys.modules.pop("pretrain_shapes", None)
 
 
 def _run(pretrain, tmp_path, name, steps, *extra):
@@ -200,3 +203,181 @@ def test_timestep_shift_moves_training_to_high_noise_and_is_recorded(pretrain, t
         _run(pretrain, tmp_path, "bad", 1, "--timestep-shift", "0")
     state = _run(pretrain, tmp_path, "shifted", 2, "--timestep-shift", "2")
     assert json.loads((state / "state.json").read_text())["timestep_shift"] == 2.0
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir())
+
+
+def test_light_state_leaves_out_the_adam_moments(pretrain, tmp_path):
+    full = _run(pretrain, tmp_path, "full", 3)
+    light = _run(pretrain, tmp_path, "light", 3, "--light-state")
+    assert json.loads((full / "state.json").read_text())["kind"] == "full"
+    info = json.loads((light / "state.json").read_text())
+    assert info["kind"] == "light" and "adam_steps" not in info
+    assert sorted(f.name for f in light.iterdir()) == ["ema.safetensors", "params.safetensors", "rng.safetensors", "state.json"]
+    assert 0.45 < _size(light) / _size(full) < 0.55
+    for group in pretrain.LIGHT_STATE_GROUPS:  # the same run: the same weights and EMA
+        a, b = load_file(str(full / f"{group}.safetensors")), load_file(str(light / f"{group}.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_from_a_light_state_rewarms_fresh_moments_and_continues(pretrain, tmp_path, capsys):
+    light = _run(pretrain, tmp_path, "light", 6, "--light-state", "--until", "3")
+    saved = json.loads((light / "state.json").read_text())
+    capsys.readouterr()
+    _run(pretrain, tmp_path, "light", 6, "--resume", "--rewarm-steps", "2", "--light-state")
+    out = capsys.readouterr().out
+    notice = [line for line in out.splitlines() if line.startswith("light state:")]
+    assert notice == ["light state: no Adam moments saved; Adam starts fresh moments at step 3, with the rate "
+                      "re-warmed linearly from 0 over 2 steps (--rewarm-steps)"]
+    assert "resumed from" in out and "at step 3 (light state)" in out
+    info = json.loads((light / "state.json").read_text())
+    assert info["step"] == 6 and info["kind"] == "light"
+    assert info["schedule"]["rewarms"] == [{"from_step": 3, "steps": 2}]
+    assert info["sched"]["last_epoch"] == 6 and saved["sched"]["last_epoch"] == 3  # the schedule's step counter went on
+    schedule = pretrain.Schedule.from_record(info["schedule"])
+    plain = pretrain.Schedule.from_record({**info["schedule"], "rewarms": []})
+    assert [schedule.factor(s) / plain.factor(s) for s in range(2, 7)] == [1.0, 0.5, 1.0, 1.0, 1.0]
+    # the default re-warm-up is the schedule's warm-up; a later full save records the re-warm-up,
+    # so an exact resume inside it follows the same rate
+    light2 = _run(pretrain, tmp_path, "light2", 8, "--light-state", "--until", "2")
+    _run(pretrain, tmp_path, "light2", 8, "--resume", "--until", "3")  # without --light-state: saved full
+    info = json.loads((light2 / "state.json").read_text())
+    assert info["kind"] == "full" and info["schedule"]["rewarms"] == [{"from_step": 2, "steps": 2}]  # --warmup 2
+
+
+def test_a_light_state_exports(pretrain, tmp_path):
+    state = _run(pretrain, tmp_path, "run", 4, "--light-state", "--until", "3")
+    _run(pretrain, tmp_path, "run", 4, "--resume", "--export-only")
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    exported = ShapesPipeline.from_pretrained(str(tmp_path / "run" / "model"))
+    torch.testing.assert_close(next(iter(exported.unet.parameters())).float(),
+                               load_file(str(state / "ema.safetensors"))["0"].half().float())
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--resume", "--rewarm-steps", "-1"], "--rewarm-steps must be >= 0"),
+    (["--rewarm-steps", "3"], "--rewarm-steps applies to --resume"),
+])
+def test_bad_light_state_flags_exit_2_with_one_line(pretrain, tmp_path, capsys, extra, needle):
+    with pytest.raises(SystemExit) as err:
+        _run(pretrain, tmp_path, "bad", 2, *extra)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0]
+
+
+def test_extend_to_continues_the_rate_linearly_to_the_final_one(pretrain):
+    """A 10-step schedule (warm-up 2, decay over the last 4 to 0.1) extended at step 8 to 20 steps:
+    unchanged before step 8, then a line from its value there to 0.1 at step 20, the new end; a
+    second extension starts where the first one is. The same N again is a no-op."""
+    args = pretrain.parse_args(["--steps", "10", "--warmup", "2", "--decay-steps", "4", "--final-lr-fraction", "0.1"])
+    schedule = pretrain.Schedule.from_args(args)
+    before = [schedule.factor(s) for s in range(21)]
+    assert schedule.end == 10 and before[8] == pytest.approx(1 - 2 / 4 * 0.9)  # 0.55
+    assert schedule.extend(8, 20) and schedule.end == 20
+    after = [schedule.factor(s) for s in range(25)]
+    assert after[:9] == before[:9]
+    assert after[14] == pytest.approx((0.55 + 0.1) / 2) and after[20] == pytest.approx(0.1) and after[24] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(after[8:], after[9:]))
+    assert [after[s] for s in range(8, 21)] == pytest.approx([0.55 - 0.45 * (s - 8) / 12 for s in range(8, 21)])
+    assert not schedule.extend(14, 20) and schedule.end == 20  # already extended to 20
+    assert schedule.extend(14, 26) and schedule.factor(14) == pytest.approx(after[14])
+    assert schedule.factor(20) == pytest.approx(0.325 + (0.1 - 0.325) * 6 / 12)
+    for step, n, match in ((10, 10, "not above the state's step 10"), (6, 10, "not beyond the schedule's end at step 10"),
+                           (6, 8, "not beyond the schedule's end at step 10")):
+        with pytest.raises(ValueError, match=match):
+            pretrain.Schedule.from_args(args).extend(step, n)
+    assert pretrain.Schedule.from_record(schedule.record()) == schedule
+
+
+def test_extended_run_in_pieces_equals_one_uninterrupted_extended_run(pretrain, tmp_path, capsys):
+    _run(pretrain, tmp_path, "straight", 5, "--until", "3")
+    straight = _run(pretrain, tmp_path, "straight", 5, "--resume", "--extend-to", "8")
+    _run(pretrain, tmp_path, "pieces", 5, "--until", "3")
+    pieces = _run(pretrain, tmp_path, "pieces", 5, "--resume", "--extend-to", "8", "--until", "5")
+    info = json.loads((pieces / "state.json").read_text())
+    factor3 = pretrain.lr_factor(3, pretrain.parse_args(["--steps", "5", "--warmup", "2", "--decay-steps", "2"]))
+    assert info["step"] == 5 and info["schedule"]["extensions"] == [{"from_step": 3, "from_factor": factor3, "to_step": 8}]
+    capsys.readouterr()
+    _run(pretrain, tmp_path, "pieces", 5, "--resume", "--until", "6")  # the recorded extension goes on
+    assert "extended at step 3" in capsys.readouterr().out
+    _run(pretrain, tmp_path, "pieces", 5, "--resume", "--extend-to", "8")  # the same N again: the same schedule
+    a_info, b_info = (json.loads((d / "state.json").read_text()) for d in (straight, pieces))
+    assert a_info["step"] == b_info["step"] == 8 and a_info["schedule"] == b_info["schedule"]
+    assert a_info["sched"] == b_info["sched"]
+    for group in pretrain.STATE_GROUPS:
+        a, b = load_file(str(straight / f"{group}.safetensors")), load_file(str(pieces / f"{group}.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), group
+
+
+@pytest.mark.parametrize("first, extra, needle", [
+    (3, ["--resume", "--extend-to", "2"], "--extend-to 2 is not above the state's step 3"),
+    (3, ["--resume", "--extend-to", "3"], "--extend-to 3 is not above the state's step 3"),
+    (2, ["--resume", "--extend-to", "4"], "--extend-to 4 is not beyond the schedule's end at step 5"),
+    (0, ["--extend-to", "9"], "--extend-to needs --resume"),
+    (0, ["--resume", "--export-only", "--extend-to", "9"], "--export-only does not train"),
+    (0, ["--save-every", "0"], "--save-every must be >= 1"),
+    (0, ["--full-snapshots"], "--full-snapshots applies to --save-every"),
+])
+def test_bad_extension_flags_exit_2_with_one_line(pretrain, tmp_path, capsys, first, extra, needle):
+    if first:
+        _run(pretrain, tmp_path, "run", 5, "--until", str(first))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err:
+        _run(pretrain, tmp_path, "run", 5, *extra)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines
+
+
+def test_save_every_keeps_light_snapshots_that_export(pretrain, tmp_path):
+    state = _run(pretrain, tmp_path, "run", 5, "--save-every", "2")
+    snaps = sorted(p.name for p in tmp_path.joinpath("run").iterdir() if p.name.startswith("state-"))
+    assert snaps == ["state-step000002", "state-step000004"]
+    snap = state.with_name("state-step000004")
+    info = json.loads((snap / "state.json").read_text())
+    assert info["step"] == 4 and info["kind"] == "light" and not (snap / "exp_avg.safetensors").exists()
+    assert json.loads((state / "state.json").read_text())["kind"] == "full"  # the main state: full unless --light-state
+    pretrain.main(["--tiny", "--no-eval", "--threads", "1", "--state-dir", str(snap), "--resume", "--export-only",
+                   "--out", str(tmp_path / "export4")])
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    exported = ShapesPipeline.from_pretrained(str(tmp_path / "export4"))
+    torch.testing.assert_close(next(iter(exported.unet.parameters())).float(),
+                               load_file(str(snap / "ema.safetensors"))["0"].half().float())
+    full = _run(pretrain, tmp_path, "full", 2, "--save-every", "2", "--full-snapshots").with_name("state-step000002")
+    assert json.loads((full / "state.json").read_text())["kind"] == "full" and (full / "exp_avg_sq.safetensors").exists()
+
+
+def test_extending_the_shipped_state_starts_from_its_rate(pretrain, repo_root):
+    """The documented continuation of the shipped state to 12,000 steps: the extension starts at the
+    rate the state's next step would take (4.6e-4) and ends at 1e-4."""
+    info = json.loads((repo_root / "scripts" / "pretrain_state" / "shapes-t2i-bert" / "state.json").read_text())
+    assert "schedule" not in info  # saved before the record: the recipe's flags give its schedule
+    recipe = [a for a in pretrain.SHIPPED_RECIPE if a not in ("--until", "4500")]
+    schedule = pretrain.Schedule.from_args(pretrain.parse_args(recipe))
+    assert schedule.extend(info["step"], 12000)
+    rates = [schedule.lr * schedule.factor(s) for s in (4500, 6000, 9000, 12000)]
+    assert rates[0] == pytest.approx(info["sched"]["_last_lr"][0], rel=1e-12)
+    assert rates == pytest.approx([4.6e-4, 3.88e-4, 2.44e-4, 1e-4])
+
+
+def test_a_state_without_a_schedule_record_takes_the_flags_and_names_a_jump(pretrain, tmp_path, capsys):
+    """States saved before the record (the shipped one) follow the flags, as before; flags whose rate
+    at the resumed step differs from the state's say so."""
+    state = _run(pretrain, tmp_path, "old", 6, "--until", "4")
+    info = json.loads((state / "state.json").read_text())
+    del info["schedule"]
+    (state / "state.json").write_text(json.dumps(info))
+    capsys.readouterr()
+    _run(pretrain, tmp_path, "old", 6, "--resume", "--until", "5")  # the same flags: no note
+    assert "note:" not in capsys.readouterr().out
+    info = json.loads((state / "state.json").read_text())
+    assert info["schedule"]["steps"] == 6  # recorded from the flags from now on
+    del info["schedule"]
+    (state / "state.json").write_text(json.dumps(info))
+    _run(pretrain, tmp_path, "old", 20, "--resume", "--until", "6")
+    assert "note: these flags' schedule gives step 5 the rate" in capsys.readouterr().out

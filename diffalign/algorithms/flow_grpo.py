@@ -128,3 +128,35 @@ def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
     if std.ndim:  # per-sample std (B, 1, ..., 1) -> (B,)
         std = std.reshape(std.shape[0], -1)[:, 0] if std.shape[0] == mean.shape[0] else std.reshape(-1)[0]
     return ((mean.float() - ref_mean.float()) ** 2).mean(dim=dims) / (2 * std**2)
+
+
+KL_DEFINITIONS = ("exact", "reference")  # algorithm.kl_definition
+
+
+def reference_code_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor, abs_dt: torch.Tensor) -> torch.Tensor:
+    """The KL term of Flow-GRPO's reference code: ``mean((mu - mu_ref)^2) / (2 sigma_t^2)`` per sample.
+
+    Its ``std_dev_t`` is ``sigma_t``, the SDE's diffusion coefficient, without ``sqrt(|dt|)``; the
+    step's noise std is ``std = sigma_t * sqrt(|dt|)``, so this is :func:`gaussian_mean_kl` times
+    ``|dt|``: smaller than the exact KL of the step by the step's length (about 12-17x over the
+    first steps of a 10-step shifted schedule). The reference's ``beta`` values (0.04 for GenEval)
+    weigh this quantity.
+
+    ``mean``, ``ref_mean``: (B, ...); ``std``: the step's transition std, as for
+    :func:`gaussian_mean_kl`; ``abs_dt``: ``|s' - s|``, a number or (B,). Returns (B,).
+    """
+    return gaussian_mean_kl(mean, ref_mean, std) * torch.as_tensor(abs_dt, dtype=torch.float32, device=mean.device).reshape(-1)
+
+
+def step_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor, *, definition: str = "exact",
+            abs_dt: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample KL of one Gaussian step to the reference's, (B,): ``definition="exact"`` is
+    :func:`gaussian_mean_kl` (the KL of the two transitions), ``"reference"`` is
+    :func:`reference_code_kl` (needs ``abs_dt``)."""
+    if definition == "exact":
+        return gaussian_mean_kl(mean, ref_mean, std)
+    if definition == "reference":
+        if abs_dt is None:
+            raise ValueError("the reference code's KL needs the step's |dt|")
+        return reference_code_kl(mean, ref_mean, std, abs_dt)
+    raise ValueError(f"definition must be one of {', '.join(KL_DEFINITIONS)}, got {definition!r}")

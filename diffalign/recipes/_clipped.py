@@ -8,19 +8,24 @@ from typing import Callable
 
 import torch
 
-from diffalign.algorithms.flow_grpo import gaussian_mean_kl, ppo_clip_loss
+from diffalign.algorithms.flow_grpo import ppo_clip_loss, step_kl
 
 CLIP_STATS = ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean")  # logged per micro-batch
 
 
 def reference_kl(trainer, x: torch.Tensor, t: torch.Tensor, embeds, guidance_scale: float, step,
-                 rescore: Callable) -> torch.Tensor:
+                 rescore: Callable, *, step_times: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Per-transition KL between the policy's Gaussian step ``step`` and the reference model's on
-    the same transition: ``rescore(reference_output)`` re-scores it under the reference's output."""
+    the same transition: ``rescore(reference_output)`` re-scores it under the reference's output.
+
+    ``step_times``: ``(t, t_next)`` of ``step``'s rows; the KL is the one ``algorithm.kl_definition``
+    names (``exact``, or ``reference``: Flow-GRPO's code's, the exact one times ``|dt|``)."""
     with torch.no_grad(), trainer.reference_model(), trainer.autocast():
         ref_out = trainer.adapter.predict(x, t, embeds, guidance_scale)
     coarse = trainer.kernel.coarse  # the coordinates the step's density is over
-    return gaussian_mean_kl(coarse(step.mean), coarse(rescore(ref_out).mean), step.std)
+    definition = trainer.algo.kl_definition
+    abs_dt = trainer.kernel.abs_dt(*step_times) if definition == "reference" else None
+    return step_kl(coarse(step.mean), coarse(rescore(ref_out).mean), step.std, definition=definition, abs_dt=abs_dt)
 
 
 def accumulate_clipped(trainer, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,

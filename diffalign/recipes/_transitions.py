@@ -113,7 +113,7 @@ class TransitionTrainer(Trainer):
                     kl = None
                     if algo.beta > 0:
                         kl = reference_kl(self, x, t, emb, g, step, lambda ref_out: self.kernel.step(
-                            _rep(ref_out, k), xk, tk, tnk, sde=True, prev_sample=nxt))[keep]
+                            _rep(ref_out, k), xk, tk, tnk, sde=True, prev_sample=nxt), step_times=(tk, tnk))[keep]
                     logp, old, adv = step.log_prob[keep], old[keep], tr.advantages[rows].flatten().to(dev)[keep]
                     if guard is not None:
                         logp, old, adv = guard(select_step(step, keep), old, adv, steps_of(schedule, tk[keep]))

@@ -330,7 +330,7 @@ class BranchGRPOTrainer(Trainer):
                     kl = None
                     if algo.beta > 0:
                         kl = reference_kl(self, x, t, emb, g, step, lambda ref_out: self.kernel.step(
-                            ref_out, x, t, t_next, sde=True, prev_sample=x_next))
+                            ref_out, x, t, t_next, sde=True, prev_sample=x_next), step_times=(t, t_next))
                         train_nfe += len(batch)
                     logp, adv = step.log_prob, advantages[trees_g, nodes].to(dev)
                     if guard is not None:

@@ -149,7 +149,7 @@ class FlowGRPOTrainer(Trainer):
                     kl = None
                     if algo.beta > 0:
                         kl = reference_kl(self, x, t, emb, g, step, lambda ref_out: self.kernel.step(
-                            ref_out, x, t, t_next, sde=True, prev_sample=x_next))
+                            ref_out, x, t, t_next, sde=True, prev_sample=x_next), step_times=(t, t_next))
                     logp, adv = step.log_prob, advantages[rows + first_local].to(dev)
                     if guard is not None:
                         logp, old_logp, adv = guard(step, old_logp, adv, steps, rows=rows, x_next=x_next)

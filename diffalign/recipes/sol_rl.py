@@ -87,6 +87,10 @@ class SolRLConfig(AlgorithmConfig):
     def rewards_in_groups(self) -> bool:
         return True
 
+    def check_sampling(self, sampling, prefix: str = "algorithm") -> None:
+        self.update.check_sampling(sampling, f"{prefix}.{self.optimizer}")
+        super().check_sampling(sampling, prefix)
+
     def validate(self, prefix: str = "algorithm") -> None:
         check(self.pool_size >= 2, f"{prefix}.pool_size", "must be >= 2")
         check(self.stage1_steps >= 1, f"{prefix}.stage1_steps", "must be >= 1 (stage-1 ODE steps)")

@@ -18,6 +18,10 @@ from diffalign.errors import ConfigError
 from schedulers.common import StepOutput, coarse as coarse_coordinates
 
 FLOW_KERNELS = ("flow_grpo", "cps", "dance")
+# kernels whose step noise std is sigma_t * sqrt(|dt|), sigma_t the SDE's diffusion coefficient: the
+# ones where Flow-GRPO's reference KL (divided by sigma_t^2, not by the step's variance) is defined
+# (diffalign.config keeps a copy to validate configs without importing torch)
+SQRT_DT_KERNELS = ("flow_grpo", "dance")
 
 
 @dataclass
@@ -62,6 +66,14 @@ class Kernel:
         if self.name == "dance":
             return schedulers.dance_sde_step(model_output, x, t, t_next, **common)
         raise ConfigError(f"config key 'sampling.kernel' is unknown: {self.name!r}")
+
+    def abs_dt(self, t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
+        """``|dt| = s - s'`` of steps from ``t`` to ``t_next`` (fp32, their shape), for the kernels
+        whose noise std is ``sigma_t * sqrt(|dt|)`` (:data:`SQRT_DT_KERNELS`); the others have no
+        such factor and raise :class:`ConfigError`."""
+        if self.name not in SQRT_DT_KERNELS:
+            raise ConfigError(f"the {self.name} kernel's step std is not sigma_t * sqrt(|dt|): it has no |dt| to scale a KL by")
+        return (torch.as_tensor(t).float() - torch.as_tensor(t_next).float()).abs()
 
     def coarse(self, y: torch.Tensor) -> torch.Tensor:
         """The coordinates a step's density is over: ``y`` itself, or its block coordinates
