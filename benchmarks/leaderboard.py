@@ -1,15 +1,20 @@
 """The method leaderboard: every alignment method's shipped ShapesWorld recipe at one training budget,
 over several seeds, with held-out accuracy, cost and a CFG scale chosen on validation prompts.
 
-    python benchmarks/leaderboard.py [--methods flow_grpo,awm] [--seeds 0,1,2] [--minutes 15]
+    python benchmarks/leaderboard.py [--methods flow_grpo,awm] [--seeds 0,1,2]
+        [--minutes 15 | --cpu-minutes 30 | --iterations 32]
         [--marks 0.25,0.5,1] [--scales 1,1.5,2,3,4] [--model shapes] [--prepare] [--out runs/leaderboard]
         [key=value ...] [--set METHOD key=value ...] [--judge-set METHOD key=value ...]
     python benchmarks/leaderboard.py --table-only [--out runs/leaderboard]
 
 Cells
     One cell is one method (:data:`METHODS`: a shipped recipe plus overrides) trained with one seed
-    until its *training* wall-clock (iterations only: rollouts, rewards, updates; evaluations,
-    setup and preparation excluded, as ``branch_grpo_shapes.py`` measures it) reaches ``--minutes``.
+    until its training budget is spent (:class:`Budget`; iterations only: rollouts, rewards,
+    updates; evaluations, setup and preparation excluded, as ``branch_grpo_shapes.py`` measures
+    it): ``--minutes`` of training wall-clock (the default, 15), ``--cpu-minutes`` of this
+    process's CPU time while training (all of its threads; a fair budget when another job shares
+    the machine, which a wall-clock budget is not), or ``--iterations``. Every cell records all
+    three, and the rollout images, whatever its budget.
     At each ``--marks`` fraction of that budget (the end, 1, is always one) the current weights are
     evaluated on the held-out prompts at the recipe's training CFG scale. At the last mark the
     weights are also evaluated on the validation prompts (``prompt_set("validation")``) at every
@@ -146,6 +151,28 @@ class Method:
     judge: Judge | None = None
     setup_is_preparation: bool = False  # the trainer's setup generates offline data (charged as preparation)
     nfe: Callable = linear_nfe  # rollout NFE per image when the iteration does not report it
+    scales: tuple[float, ...] = ()  # the CFG scales its weights may be evaluated at (empty: every --scales scale)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much training a cell gets: ``amount`` of ``unit``.
+
+    ``minutes``: training wall-clock; ``cpu_minutes``: this process's CPU time while training (every
+    thread's, :func:`time.process_time`), which another job on the machine slows down but does not
+    consume, so cells measured beside other work stay comparable; ``iterations``: trainer iterations.
+    """
+
+    unit: str
+    amount: float
+
+    UNITS = ("minutes", "cpu_minutes", "iterations")
+
+    def spent(self, wall_seconds: float, cpu_seconds: float, iterations: int) -> float:
+        return {"minutes": wall_seconds / 60, "cpu_minutes": cpu_seconds / 60, "iterations": float(iterations)}[self.unit]
+
+    def __str__(self) -> str:
+        return f"{self.amount:g} {self.unit.replace('_', ' ')}"
 
 
 GUARD = ("algorithm.guard_ratio_norm=true", "algorithm.guard_norm_mode=auto", "algorithm.guard_step_reweight=true")
@@ -245,9 +272,11 @@ class EvalSpec:
 
 
 def compact(evaluation, prompts: Sequence[str]) -> dict:
-    """An evaluation's per-image records as ``{"passed": [bool], "prompt": [index into prompts]}``."""
+    """An evaluation's per-image records as ``{"passed": [bool], "prompt": [index into prompts],
+    "score": [partial credit]}``."""
     index = {p: i for i, p in enumerate(prompts)}
-    return {"passed": [bool(r["passed"]) for r in evaluation.records], "prompt": [index[r["prompt"]] for r in evaluation.records]}
+    return {"passed": [bool(r["passed"]) for r in evaluation.records], "prompt": [index[r["prompt"]] for r in evaluation.records],
+            "score": [round(float(r["score"]), 4) for r in evaluation.records]}
 
 
 def accuracy(records: Mapping) -> float:
@@ -326,12 +355,12 @@ def check_settings(path: Path, settings: dict) -> None:
 
 def run_settings(args, spec: EvalSpec) -> dict:
     """What every cell of one table shares."""
-    return {"model": args.model, "minutes": args.minutes, "marks": args.marks, "scales": [scale_key(s) for s in args.scales],
+    return {"model": args.model, "budget": str(args.budget), "marks": args.marks, "scales": [scale_key(s) for s in args.scales],
             "eval": spec.settings(), "overrides": list(args.overrides)}
 
 
-def method_overrides(name: str, args) -> list[str]:
-    return [*METHODS[name].overrides, *args.sets.get(name, [])]
+def method_overrides(name: str, args, method: Method | None = None) -> list[str]:
+    return [*(method or METHODS[name]).overrides, *args.sets.get(name, [])]
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,22 +428,23 @@ def cell_path(out: Path, name: str, seed: int) -> Path:
     return out / "cells" / name / f"seed{seed}.json"
 
 
-def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path) -> dict:
-    """Train one method with one seed to the budget, evaluating at every mark (see the module docstring)."""
+def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path, method: Method | None = None) -> dict:
+    """Train one method (``METHODS[name]`` unless ``method`` is given) with one seed to ``args.budget``,
+    evaluating at every mark (see the module docstring)."""
     import torch
 
     from diffalign.config_files import load_config, to_dict
     from diffalign.trainer import build_trainer
     from diffalign.shapes import prompt_set
 
-    method = METHODS[name]
+    method = method or METHODS[name]
     prep = {"judge_seconds": judge_seconds(name, args, out) if method.judge else 0.0}
-    own = method_overrides(name, args)
+    own = method_overrides(name, args, method)
     judge = [f"{method.judge.run_key}={judge_dir(out, name)}"] if method.judge else []
     cfg = load_config(ROOT / method.recipe, [*own, *args.overrides, *PLUMBING, *judge, f"seed={seed}",
                                              f"model.id={args.model}", f"output_dir={out / 'runs' / name / f'seed{seed}'}"])
     if cfg.optim.lr_schedule != "constant" or cfg.optim.warmup_iterations:
-        raise DiffalignError("optim.lr_schedule / optim.warmup_iterations: the leaderboard trains to a time budget, "
+        raise DiffalignError("optim.lr_schedule / optim.warmup_iterations: the leaderboard trains to its own budget, "
                              "not to max_iterations; keep a constant learning rate")
     threads = torch.get_num_threads()
     loads = [load_average()]
@@ -426,7 +456,9 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path) -> dict:
     trainer.print_header()
     training = scale_key(cfg.sampling.guidance_scale)
     heldout_prompts, validation_prompts = prompt_set("heldout"), prompt_set("validation")
-    budget = 60.0 * args.minutes
+    budget: Budget = args.budget
+    scales = [s for s in args.scales if not method.scales or s in method.scales] or list(method.scales)
+    images_per_iteration = cfg.derived()["images_per_iteration"]
     marks: list[dict] = []
     snapshots: list[list[torch.Tensor]] = []  # the evaluated weights of each mark
 
@@ -434,29 +466,32 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path) -> dict:
         with trainer.eval_weights():
             return compact(spec.evaluate(trainer.adapter, split, float(scale)), prompts)
 
-    records, train_seconds, it = [], 0.0, 0
+    records, train_seconds, cpu_seconds, it = [], 0.0, 0.0, 0
     try:
-        while train_seconds < budget:
-            t = time.perf_counter()
+        while budget.spent(train_seconds, cpu_seconds, it) < budget.amount:
+            t, c = time.perf_counter(), time.process_time()
             record = trainer.iteration(it)
-            seconds = time.perf_counter() - t
+            seconds, cpu = time.perf_counter() - t, time.process_time() - c
             train_seconds += seconds
-            trainer.write_metrics({"iteration": it, **record, "seconds": seconds})
-            records.append({"seconds": seconds, **{k: record[k] for k in ("reward_mean", "nfe_per_image", "nfe_per_trajectory")
-                                                  if k in record}})
+            cpu_seconds += cpu
+            trainer.write_metrics({"iteration": it, **record, "seconds": seconds, "cpu_seconds": cpu})
+            records.append({"seconds": seconds, "cpu_seconds": cpu,
+                            **{k: record[k] for k in ("reward_mean", "nfe_per_image", "nfe_per_trajectory") if k in record}})
             it += 1
-            crossed = [f for f in args.marks[len(marks):] if train_seconds >= f * budget]
+            spent = budget.spent(train_seconds, cpu_seconds, it)
+            crossed = [f for f in args.marks[len(marks):] if spent >= f * budget.amount - 1e-9]
             if crossed:  # one evaluation for every mark this iteration reached (the same weights)
                 held = evaluate_now("heldout", training, heldout_prompts)
                 with trainer.eval_weights():
                     weights = [p.detach().clone() for p in trainer.trainable]
                 for fraction in crossed:
                     marks.append({"fraction": fraction, "iteration": it, "train_seconds": train_seconds,
+                                  "train_cpu_seconds": cpu_seconds, "images": it * images_per_iteration,
                                   "heldout": {training: held}})
                     snapshots.append(weights)
                 print(f"  {name} seed {seed}: {train_seconds / 60:.2f} min, iteration {it}, train reward "
                       f"{record.get('reward_mean', float('nan')):.3f}, held-out {accuracy(held):.3f} at CFG {training}", flush=True)
-        validation = {scale_key(s): evaluate_now("validation", scale_key(s), validation_prompts) for s in args.scales}
+        validation = {scale_key(s): evaluate_now("validation", scale_key(s), validation_prompts) for s in scales}
         chosen = best_scale({k: accuracy(v) for k, v in validation.items()})
         if chosen != training:  # each mark's weights back in place (the trainer is not trained further)
             done: dict[int, dict] = {}
@@ -476,8 +511,10 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path) -> dict:
     return {
         "method": name, "seed": seed, "recipe": method.recipe, "overrides": own, "settings": run_settings(args, spec),
         "config": to_dict(cfg),  # as resolved, for the record (a recipe edited between sittings shows here)
-        "iterations": it, "train_seconds": train_seconds,
+        "iterations": it, "train_seconds": train_seconds, "train_cpu_seconds": cpu_seconds,
+        "images": it * images_per_iteration, "images_per_iteration": images_per_iteration,
         "seconds_per_iteration": statistics.median(r["seconds"] for r in records),
+        "cpu_seconds_per_iteration": statistics.median(r["cpu_seconds"] for r in records),
         "nfe_per_image": nfe if nfe is not None else method.nfe(cfg),
         "setup_seconds": setup_seconds, "prep": prep, "prep_seconds": sum(prep.values()),
         "cpu": cpu_model(), "device": str(trainer.device), "threads": threads, "load": loads, "busy": is_busy(loads, threads),
@@ -590,6 +627,8 @@ def summarise(cells: Mapping[str, Mapping[int, Mapping]], base: Mapping) -> dict
         row["cost"] = {
             "iterations": statistics.mean(by_seed[s]["iterations"] for s in seeds),
             "train_minutes": statistics.mean(by_seed[s]["train_seconds"] for s in seeds) / 60,
+            "train_cpu_minutes": (statistics.mean(by_seed[s]["train_cpu_seconds"] for s in seeds) / 60
+                                  if all("train_cpu_seconds" in by_seed[s] for s in seeds) else None),
             "seconds_per_iteration": statistics.mean(by_seed[s]["seconds_per_iteration"] for s in seeds),
             "nfe_per_image": statistics.mean(by_seed[s]["nfe_per_image"] for s in seeds),
             "prep_minutes": statistics.mean(by_seed[s]["prep_seconds"] for s in seeds) / 60,
@@ -640,8 +679,9 @@ def format_tables(summary: Mapping[str, Mapping], base: Mapping) -> str:
                          _interval_text(k["vs_base_mean"], k["vs_base"], True) + (f" {k['vs_base_verdict']}" if k["vs_base_verdict"] else ""),
                          vs_ref, reach + (" faster" if k.get("faster") else "")])
         lines += ["", f"held-out per-image accuracy at {title}, by fraction of the training budget:", *_rows(header, rows)]
-    header = ["method", "iterations", "train min", "s/iter", "NFE/img", "prep min", "busy"]
-    rows = [[n, f"{c['iterations']:.1f}", f"{c['train_minutes']:.1f}", f"{c['seconds_per_iteration']:.2f}",
+    header = ["method", "iterations", "train min", "CPU min", "s/iter", "NFE/img", "prep min", "busy"]
+    rows = [[n, f"{c['iterations']:.1f}", f"{c['train_minutes']:.1f}",
+             f"{c['train_cpu_minutes']:.1f}" if c.get("train_cpu_minutes") is not None else "-", f"{c['seconds_per_iteration']:.2f}",
              f"{c['nfe_per_image']:.1f}", f"{c['prep_minutes']:.1f}",
              f"busy {c['busy']} of {len(summary[n]['seeds'])}" if c["busy"] else "-"]
             for n in names for c in [summary[n]["cost"]]]
@@ -737,11 +777,26 @@ def parse_sets(items: list[list[str]], flag: str) -> dict[str, list[str]]:
     return out
 
 
+def budget_from_args(args, default: Budget = Budget("minutes", 15.0)) -> Budget:
+    """The one budget flag given (``--minutes``, ``--cpu-minutes``, ``--iterations``), else ``default``."""
+    for unit in Budget.UNITS:
+        amount = getattr(args, unit)
+        if amount is not None:
+            flag = "--" + unit.replace("_", "-")
+            if not amount > 0 or (unit == "iterations" and amount != int(amount)):
+                raise DiffalignError(f"{flag} must be {'a whole number ' if unit == 'iterations' else ''}> 0, got {amount:g}")
+            return Budget(unit, float(amount))
+    return default
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated names (default: all)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
-    p.add_argument("--minutes", type=float, default=15.0, help="training wall-clock budget per cell (evaluations excluded)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=float, help="training wall-clock budget per cell (evaluations excluded; default 15)")
+    budget.add_argument("--cpu-minutes", type=float, help="budget per cell in this process's CPU minutes while training")
+    budget.add_argument("--iterations", type=float, help="budget per cell in trainer iterations")
     p.add_argument("--marks", default="0.25,0.5,1", help="fractions of the budget at which held-out accuracy is measured (1 is added)")
     p.add_argument("--scales", default="1,1.5,2,3,4", help="CFG scales to choose from on validation prompts")
     p.add_argument("--model", default="shapes", help="model.id of every method and of the base model")
@@ -768,8 +823,7 @@ def parse_args(argv=None):
     args.seeds = parse_numbers(args.seeds, "--seeds", int)
     if any(s < 0 for s in args.seeds) or len(set(args.seeds)) != len(args.seeds):
         raise DiffalignError(f"--seeds: distinct integers >= 0, got {args.seeds}")
-    if not args.minutes > 0:
-        raise DiffalignError(f"--minutes must be > 0, got {args.minutes}")
+    args.budget = budget_from_args(args)
     marks = parse_numbers(args.marks, "--marks")
     if any(not 0 < m <= 1 for m in marks):
         raise DiffalignError(f"--marks: fractions in (0, 1], got {args.marks!r}")
@@ -819,7 +873,7 @@ def main(argv=None) -> dict:
                     raise DiffalignError(f"{path} was measured with other settings ({diff}); use another --out or delete it")
                 print(f"- {name} seed {seed}: done earlier ({path})", flush=True)
                 continue
-            print(f"- {name} seed {seed}: {args.minutes:g} min of training", flush=True)
+            print(f"- {name} seed {seed}: {args.budget} of training", flush=True)
             cell = run_cell(name, seed, args, spec, out)
             from diffalign.runs import atomic_write_text
 

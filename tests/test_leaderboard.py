@@ -181,3 +181,17 @@ def test_every_method_loads_as_a_config(board, tmp_path):
         cfg = load_config(board.ROOT / method.recipe, [*method.overrides, *board.PLUMBING, *judge, f"output_dir={tmp_path}"])
         assert cfg.optim.lr_schedule == "constant" and method.nfe(cfg) >= 0, name
     assert board.METHODS["grpo_guard"].overrides and board.METHODS["flow_grpo_mix"].overrides
+
+
+def test_budget_units(board):
+    import argparse
+
+    assert board.Budget("cpu_minutes", 2.0).spent(wall_seconds=600, cpu_seconds=90, iterations=3) == pytest.approx(1.5)
+    assert board.Budget("minutes", 2.0).spent(600, 90, 3) == pytest.approx(10.0)
+    assert board.Budget("iterations", 2.0).spent(600, 90, 3) == 3.0
+    assert str(board.Budget("cpu_minutes", 30.0)) == "30 cpu minutes"
+    args = board.parse_args(["--cpu-minutes", "30"])
+    assert args.budget == board.Budget("cpu_minutes", 30.0)
+    assert board.parse_args([]).budget == board.Budget("minutes", 15.0)
+    with pytest.raises(board.DiffalignError, match="--iterations must be a whole number > 0"):
+        board.budget_from_args(argparse.Namespace(minutes=None, cpu_minutes=None, iterations=1.5))
