@@ -218,10 +218,14 @@ def test_bad_value_exits_2_with_one_line_naming_the_key(tmp_path, capsys, overri
     assert not (tmp_path / "bad").exists()
 
 
-def test_train_cli_writes_the_selection_metrics(tmp_path):
+def test_train_cli_with_a_pairwise_reward_and_schedule_noise_levels(tmp_path):
+    """A reward that compares the images of a prompt group (win rates) ranks RAFT's groups too."""
     out = tmp_path / "run"
+    judge = "reward.kwargs={judge: bradley_terry, judge_kwargs: {reward: brightness, temperature: 0.01}}"
     assert run_cli("train", CONFIG, f"output_dir={out}", "max_iterations=1", "algorithm.keep_fraction=0.5",
-                   "algorithm.timestep_distribution=schedule", *FAST) == 0
+                   "algorithm.timestep_distribution=schedule", "reward.name=pairwise", judge, *FAST) == 0
     (rec,) = train_records(out)
     assert rec["kept_images"] == 4 and rec["kept_frac"] == 0.5 and rec["optimizer_steps"] == 1
+    # win rates within a group of 4 average 0.5; the kept half won more
+    assert rec["reward_mean"] == pytest.approx(0.5) and rec["reward_kept_mean"] > 0.5
     assert rec["nonfinite_dropped"] == 0 and rec["empty_groups"] == 0
