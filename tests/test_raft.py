@@ -191,6 +191,28 @@ def test_one_iteration_trains_exactly_the_kept_images(tmp_path, monkeypatch):
     assert moved > 0
 
 
+def test_one_iteration_on_an_epsilon_model(tmp_path, monkeypatch):
+    """tiny SD1.5: DDIM (eta 0) rollouts, x_t = sqrt(abar) x0 + sqrt(1 - abar) eps at uniform DDPM
+    timesteps, the epsilon target."""
+    cfg = load_config(ROOT / CONFIG, [f"output_dir={tmp_path / 'run'}", "max_iterations=1", "model.id=tiny:sd15",
+                                      "sampling.kernel=ddim", "lora.rank=4", "lora.alpha=4", *FAST])
+    tr = build_trainer(cfg)
+    tr.setup()
+    times = []
+
+    def recording_add_noise(adapter, x0, noise, t):
+        times.append(t.cpu())
+        return add_noise(adapter, x0, noise, t)
+
+    monkeypatch.setattr(raft_recipe, "add_noise", recording_add_noise)
+    before = [p.detach().clone() for p in tr.trainable]
+    rec = tr.iteration(0)
+    t = torch.cat(times)
+    assert len(t) == 4 and bool((t == t.round()).all()) and 0 <= float(t.min()) and float(t.max()) <= 999  # DDPM indices
+    assert rec["kept_images"] == 2 and rec["optimizer_steps"] == 1 and math.isfinite(rec["loss"])
+    assert sum(float((p.detach() - b).abs().sum()) for p, b in zip(tr.trainable, before)) > 0
+
+
 def test_resume_matches_uninterrupted_run(tmp_path):
     from safetensors.torch import load_file
 
