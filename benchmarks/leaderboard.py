@@ -193,6 +193,7 @@ METHODS: dict[str, Method] = {
     "diffusion_nft": Method("configs/shapes/diffusion_nft.yaml"),
     "awm": Method("configs/shapes/awm.yaml"),
     "sol_rl": Method("configs/shapes/sol_rl.yaml", nfe=sol_rl_nfe),
+    "raft": Method("configs/shapes/raft.yaml"),  # one ODE chain per image; the best 2 of 8 are trained on
 }
 # what the harness runs itself: no evaluation, checkpoint, report or progress bar inside the trainer;
 # the loop is ours and stops on the budget (every shipped recipe keeps a constant learning rate)

@@ -342,6 +342,11 @@ class AlgorithmConfig:
         """Denoising steps trained per rollout sample (the run header's count)."""
         return sde_steps
 
+    def trained_images_per_iteration(self, images: int, group_size: int) -> int:
+        """Rollout images an update trains on, of ``images`` per process in groups of ``group_size``
+        (the run header's micro-batch count); RAFT keeps only the best of each group."""
+        return images
+
     def named_rewards(self) -> list[tuple[str, str, dict]]:
         """``(config key, reward name, kwargs)`` of the rewards besides ``reward`` this method builds
         by name (checked before a model loads)."""
@@ -524,7 +529,8 @@ class RunConfig:
         per_proc = self.rollout.prompts_per_iteration * self.rollout.group_size
         sde_steps = self.sampling.window_size or self.sampling.num_steps
         trained = self.algorithm.trained_steps_per_sample(sde_steps)
-        micro = math.ceil(per_proc / self.train.batch_size) * trained * self.train.inner_epochs
+        trained_images = self.algorithm.trained_images_per_iteration(per_proc, self.rollout.group_size)
+        micro = math.ceil(trained_images / self.train.batch_size) * trained * self.train.inner_epochs
         return {
             "images_per_iteration": per_proc * num_processes,
             "sde_steps": sde_steps,

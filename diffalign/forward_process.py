@@ -11,7 +11,10 @@ This module holds what both need, for flow and epsilon adapters alike:
 - :func:`add_noise`: ``x_t`` from ``x0`` and ``eps`` (flow: ``(1 - t) x0 + t eps``; epsilon:
   ``sqrt(abar_t) x0 + sqrt(1 - abar_t) eps``);
 - :func:`denoising_target`: what ``adapter.predict`` estimates (flow: ``v = eps - x0``; epsilon:
-  ``eps``);
+  ``eps``); :func:`pretraining_loss_weight`: the per-sample weight that turns the squared error of
+  that estimate into the model's own pretraining loss (``1 / abar_t`` for a v-prediction UNet);
+- :func:`scheduler_shift`: the static shift of a flow model's scheduler (the noise-level shift its
+  training draws used, where it has one);
 - :func:`encode_images`: images in ``[0, 1]`` -> model latents (the inverse of ``adapter.decode``;
   pixel-space models take ``2x - 1``; VAEs the mean of the posterior, normalised as the pipelines do).
 """
@@ -66,6 +69,32 @@ def denoising_target(adapter: ModelAdapter, x0: torch.Tensor, noise: torch.Tenso
     if adapter.prediction_type == "flow":
         return noise.float() - x0.float()
     return noise.float()
+
+
+def pretraining_loss_weight(adapter: ModelAdapter, t: torch.Tensor) -> torch.Tensor | None:
+    """Per-sample weights ``(B,)`` for model times ``t`` that turn ``|predict - denoising_target|^2``
+    into the loss the checkpoint was pretrained with, or None when that is the plain error.
+
+    Flow models and epsilon UNets: None. A v-prediction UNet (``model_prediction_type ==
+    "v_prediction"``; its adapter converts v to epsilon) gets ``1 / abar_t``: with
+    ``eps = sqrt(abar_t) v + sqrt(1 - abar_t) x_t`` for prediction and target alike,
+    ``|eps_hat - eps|^2 = abar_t |v_hat - v|^2``."""
+    if adapter.prediction_type == "flow" or getattr(adapter, "model_prediction_type", "epsilon") != "v_prediction":
+        return None
+    return 1.0 / adapter.alpha_cumprod_at(torch.as_tensor(t).cpu()).float()
+
+
+def scheduler_shift(adapter: ModelAdapter) -> float:
+    """The static ``shift`` of a flow model's scheduler config (``FlowMatchEulerDiscreteScheduler``:
+    SD3 3.0, the shapes model 2.0; the shift its noise levels were drawn through in training where
+    the sampler copies it); 1.0 for epsilon models, schedulers without one, and resolution-dependent
+    (dynamic) shifting, whose shift depends on the image size."""
+    if adapter.prediction_type != "flow":
+        return 1.0
+    config = getattr(getattr(adapter.pipeline, "scheduler", None), "config", None) or {}
+    if config.get("use_dynamic_shifting", False):
+        return 1.0
+    return float(config.get("shift", 1.0) or 1.0)
 
 
 @torch.no_grad()

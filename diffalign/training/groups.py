@@ -80,7 +80,8 @@ def sample_group_chunks(trainer, plan: GroupRollout, sampler: Callable = sample_
         with trainer.autocast():
             traj = sampler(trainer.adapter, trainer.kernel, plan.embeds.select(rows), plan.schedule, plan.sde_mask,
                            guidance_scale=s.guidance_scale, height=trainer.resolution, width=trainer.resolution,
-                           noise=plan.noise[rows], step_noise=plan.step_noise[rows], **options)
+                           noise=plan.noise[rows], step_noise=None if plan.step_noise is None else plan.step_noise[rows],
+                           **options)
         yield rows, traj
 
 
