@@ -197,7 +197,6 @@ def best_scale_comparison(setup: EvalSetup) -> dict:
         raise ValueError("eval.best_scale needs EvalSetup.load_base")
     base = evaluate_best_scale(setup.load_base, spec, model=setup.base_model, log=log)
     trained = evaluate_best_scale(lambda: setup.adapter, spec, model="final weights", weights=setup.eval_weights, log=log)
-    setup.adapter.denoiser.eval()
     comparison = compare_best_scales(trained, base)
     if log is not None:
         log("  " + comparison.sentence())
