@@ -94,6 +94,13 @@ def _first_difference(stored: Mapping, expected: Mapping) -> str | None:
     return None
 
 
+def _list_difference(stored: Sequence[str], now: Sequence[str]) -> str | None:
+    for i, (a, b) in enumerate(zip(stored, now)):
+        if a != b:
+            return f"prompt of image {i}: stored {a!r}, now {b!r}"
+    return None if len(stored) == len(now) else f"images: stored {len(stored)}, now {len(now)}"
+
+
 def cached_evaluation(path: Optional[Path], compute: Callable[[], Evaluation], *, expect: Mapping | None = None,
                       prompts: Sequence[str] | None = None) -> Evaluation:
     """The :class:`Evaluation` stored at ``path``, or ``compute()`` stored there (a temporary file
@@ -109,8 +116,8 @@ def cached_evaluation(path: Optional[Path], compute: Callable[[], Evaluation], *
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DiffalignError(f"{path} is not a stored evaluation ({exc}); delete it to evaluate again") from None
         diff = _first_difference(evaluation.meta, expect or {})
-        if diff is None and prompts is not None and [r["prompt"] for r in evaluation.records] != list(prompts):
-            diff = f"images: stored {len(evaluation.records)} of other prompts, now {len(prompts)}"
+        if diff is None and prompts is not None:
+            diff = _list_difference([r["prompt"] for r in evaluation.records], list(prompts))
         if diff:
             raise DiffalignError(f"{path} was evaluated with other settings ({diff}); use another cache folder or delete it")
         return evaluation

@@ -68,8 +68,8 @@ def test_scale_grid_is_sorted():
 
 
 def tiny_spec(**kw) -> BestScaleSpec:
-    validation = ("a red cube", "two red balls")
-    heldout = ("a blue cube", "two blue balls")
+    validation = ("a photo of a red square", "a photo of two circles")
+    heldout = ("a photo of a blue square", "a photo of three circles")
     return BestScaleSpec((1.0, 2.0, 3.0), validation, heldout, validation_images_per_family=2, images_per_family=2,
                          num_steps=2, seed=7, **kw)
 
@@ -89,7 +89,7 @@ def never_loaded():
 
 def test_best_scale_reads_stored_evaluations_chooses_and_evaluates_held_out_there(tmp_path):
     spec = tiny_spec()
-    assert spec.items("validation") == ["a red cube", "a red cube", "two red balls", "two red balls"]
+    assert spec.items("validation") == ["a photo of two circles"] * 2 + ["a photo of a red square"] * 2  # families in order
     for scale, passed in ((1.0, [1, 0, 0, 0]), (2.0, [1, 1, 0, 0]), (3.0, [0, 1, 1, 0])):  # 2 and 3 tie
         store(tmp_path, spec, "validation", scale, passed, "m")
     store(tmp_path, spec, "heldout", 2.0, [1, 1, 1, 0], "m")
@@ -109,10 +109,11 @@ def test_a_store_of_other_settings_is_refused_with_the_file_named(tmp_path):
     with pytest.raises(DiffalignError, match="model: stored 'm', now 'other'"):
         store(tmp_path, spec, "validation", 1.0, [1, 0, 0, 0], "m")
         evaluate_best_scale(never_loaded, spec, model="other", cache=tmp_path)
-    more = BestScaleSpec(spec.scales, spec.validation_prompts + ("a green cube",), spec.heldout_prompts,
+    more = BestScaleSpec(spec.scales, spec.validation_prompts + ("a photo of a green square",), spec.heldout_prompts,
                          validation_images_per_family=2, images_per_family=2, num_steps=2, seed=7)
-    with pytest.raises(DiffalignError, match="images: stored 4 of other prompts, now 6"):
+    with pytest.raises(DiffalignError, match="prompt of image 2: stored 'a photo of a red square', now 'a photo of a green square'"):
         evaluate_best_scale(never_loaded, more, model="m", cache=tmp_path)
+
 
 
 def test_cached_evaluation_computes_once_and_writes_whole_files(tmp_path):
@@ -128,6 +129,8 @@ def test_cached_evaluation_computes_once_and_writes_whole_files(tmp_path):
     assert len(calls) == 1 and again.records == first.records and again.meta == first.meta
     assert [p.name for p in path.parent.iterdir()] == ["e.json"]  # no temporary file left behind
     assert cached_evaluation(None, compute).records == first.records and len(calls) == 2  # no folder: computed
+    with pytest.raises(DiffalignError, match=r"e\.json was evaluated with other settings \(images: stored 4, now 3\)"):
+        cached_evaluation(path, compute, prompts=PROMPTS[:3])  # a list cut shorter (a --num-prompts check)
     path.write_text("{not json")
     with pytest.raises(DiffalignError, match="is not a stored evaluation"):
         cached_evaluation(path, compute)
