@@ -404,6 +404,8 @@ RUN_CONFIG_HELP = ("a YAML file, or a shipped recipe's name (shapes/flow_grpo: i
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from diffalign.config import BEST_SCALE_GRID, BEST_SCALE_VALIDATION_IMAGES  # no torch: --help stays quick
+
     parser = argparse.ArgumentParser(prog="diffalign", description="Align diffusion / flow-matching image models with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -449,10 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "pass rate, ties: the lower scale), then evaluate the held-out prompts at it and pair each run "
                         "against the base at the base's own chosen scale. With the defaults about 2,000 images per "
                         "model: a few minutes per model for the shipped one on a 2-core CPU")
-    p.add_argument("--scales", default=None, help="--best-scale: comma-separated CFG scales (default 1,1.5,2,3,4)")
+    p.add_argument("--scales", default=None, help="--best-scale: comma-separated CFG scales (default "
+                                                  f"{','.join(f'{s:g}' for s in BEST_SCALE_GRID)})")
     p.add_argument("--validation-images-per-family", type=int, default=None,
-                   help="--best-scale: validation images per family at each scale (default 48; --images-per-family "
-                        "is the held-out list's)")
+                   help=f"--best-scale: validation images per family at each scale (default {BEST_SCALE_VALIDATION_IMAGES}; "
+                        "--images-per-family is the held-out list's)")
     p.add_argument("--cache", default=None,
                    help="--best-scale: store every evaluation in this folder (one JSON per model, prompt set and "
                         "scale) and reuse it when present; refused when stored with other settings")
