@@ -12,7 +12,9 @@ by image. Prints
   held-out numbers).
 
 Results are stored per model and scale under ``--out`` and reused when present (an interrupted
-run resumes).
+run resumes; one stored with other steps, seed, precision or images is refused). The choice and the
+store are :mod:`diffalign.best_scale`'s; ``diffalign eval RUN --best-scale`` is the comparison that
+chooses each model's scale on validation prompts and reports held-out ones.
 
     python benchmarks/guidance_scales.py [--scales 1,2,4] [--prompts validation|heldout] [--run RUN ...]
         [--model shapes] [--images-per-family 96] [--out DIR]
@@ -21,7 +23,6 @@ run resumes).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,39 +33,26 @@ HEADLINE = "acc/images"
 
 
 def parse_scales(text: str) -> list[float]:
+    from diffalign.best_scale import parse_scales as parse
+    from diffalign.errors import DiffalignError
+
     try:
-        scales = sorted({float(s) for s in text.split(",") if s.strip()})
-    except ValueError:
-        raise SystemExit(f"--scales: comma-separated numbers, got {text!r}") from None
-    if len(scales) < 2 or scales[0] < 1:
-        raise SystemExit(f"--scales: at least two scales, each >= 1, got {text!r}")
-    return scales
+        return parse(text, "--scales")
+    except DiffalignError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def scale_name(scale: float) -> str:
     return f"CFG {scale:g}"
 
 
-def cached_evaluation(path: Path, compute):
-    """The :class:`~diffalign.evaluation.Evaluation` stored at ``path``, or ``compute()`` stored there."""
-    from diffalign.evaluation import Evaluation
-
-    if path.is_file():
-        stored = json.loads(path.read_text())
-        return Evaluation.from_records(stored["records"], seconds=stored["seconds"], meta=stored["meta"])
-    evaluation = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(evaluation.to_json()))
-    tmp.replace(path)
-    return evaluation
-
-
 def main(argv=None) -> int:
     import torch
 
     from diffalign.adapters import load_adapter
-    from diffalign.evaluation import LEGEND, comparison_columns, eval_autocast_dtype, evaluate_shapes, format_table
+    from diffalign.best_scale import cached_evaluation, choose_scale
+    from diffalign.evaluation import (LEGEND, comparison_columns, eval_autocast_dtype, evaluate_shapes, format_table,
+                                      shapes_eval_list)
     from diffalign.export import load_trained_adapter
     from diffalign.shapes import prompt_set
 
@@ -92,6 +80,9 @@ def main(argv=None) -> int:
     for i, run in enumerate(args.run):
         models[f"run {i + 1}"] = lambda run=run: load_trained_adapter(run)
 
+    autocast_dtype = eval_autocast_dtype(args.mixed_precision, "cpu")  # every model loads on the CPU
+    precision = str(autocast_dtype).removeprefix("torch.") if autocast_dtype else "float32"
+    items = shapes_eval_list(prompts, args.images_per_family)
     results: dict[str, dict[float, object]] = {}
     for label, load in models.items():
         adapter = None
@@ -102,9 +93,11 @@ def main(argv=None) -> int:
                 adapter = adapter or load()
                 return evaluate_shapes(adapter, prompts, images_per_family=args.images_per_family, num_steps=args.steps,
                                        guidance_scale=scale, seed=args.seed, batch_size=args.batch_size,
-                                       autocast_dtype=eval_autocast_dtype(args.mixed_precision, adapter.device.type))
+                                       autocast_dtype=autocast_dtype)
             path = out / label.replace(" ", "_") / f"cfg{scale:g}.json" if out else None
-            results[label][scale] = cached_evaluation(path, compute) if path else compute()
+            expect = {"guidance_scale": scale, "num_steps": args.steps, "seed": args.seed,
+                      "images_per_family": args.images_per_family, "precision": precision}
+            results[label][scale] = cached_evaluation(path, compute, expect=expect, prompts=items)
 
     base = results["base"]
     first = base[scales[0]]
@@ -112,7 +105,7 @@ def main(argv=None) -> int:
           f"seed {args.seed}, {first.meta['precision']} forwards, {torch.get_num_threads()} thread(s)")
     print(f"\nbase model ({args.model}) at each CFG scale, paired against {scale_name(args.reference)}:")
     print(format_table(comparison_columns({scale_name(s): base[s] for s in scales}, scale_name(args.reference))))
-    best = max(scales, key=lambda s: (base[s].metrics[HEADLINE], -s))
+    best = choose_scale({s: base[s].metrics[HEADLINE] for s in scales})
     print(f"base model's best scale on these prompts: {scale_name(best)} "
           f"({base[best].metrics[HEADLINE]:.3f} per image)")
     for label, run in zip(list(results)[1:], args.run):
@@ -127,5 +120,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli(argv=None) -> int:
+    """``main`` with bad input (a store measured with other settings) as one ``error: ...`` line and exit code 2."""
+    from diffalign.errors import DiffalignError
+
+    try:
+        return main(argv)
+    except DiffalignError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

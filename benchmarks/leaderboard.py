@@ -92,7 +92,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.branch_grpo_shapes import VARIANTS as BRANCH_VARIANTS  # noqa: E402
-from benchmarks.guidance_scales import cached_evaluation  # noqa: E402
 from diffalign.errors import DiffalignError  # noqa: E402
 from diffalign.stats import Difference, Interval  # noqa: E402
 
@@ -262,14 +261,21 @@ class EvalSpec:
         return {"images_per_family": self.images_per_family, "steps": self.steps, "seed": self.seed,
                 "precision": self.precision}
 
-    def evaluate(self, adapter, split: str, scale: float):
-        from diffalign.evaluation import eval_autocast_dtype, evaluate_shapes
+    def best_scale_spec(self, scales: Sequence[float], device_type: str):
+        """The :class:`~diffalign.best_scale.BestScaleSpec` of these settings: validation and held-out
+        prompts alike at ``images_per_family``."""
+        from diffalign.best_scale import BestScaleSpec
+        from diffalign.evaluation import eval_autocast_dtype
         from diffalign.shapes import prompt_set
 
+        return BestScaleSpec(tuple(sorted(float(s) for s in scales)), tuple(prompt_set("validation")),
+                             tuple(prompt_set("heldout")), validation_images_per_family=self.images_per_family,
+                             images_per_family=self.images_per_family, num_steps=self.steps, seed=self.seed,
+                             batch_size=self.batch_size, autocast_dtype=eval_autocast_dtype(self.precision, device_type))
+
+    def evaluate(self, adapter, split: str, scale: float):
         adapter.denoiser.eval()
-        return evaluate_shapes(adapter, prompt_set(split), images_per_family=self.images_per_family, num_steps=self.steps,
-                               guidance_scale=scale, seed=self.seed, batch_size=self.batch_size,
-                               autocast_dtype=eval_autocast_dtype(self.precision, adapter.device.type))
+        return self.best_scale_spec([scale], adapter.device.type).evaluate(adapter, split, scale)
 
 
 def compact(evaluation, prompts: Sequence[str]) -> dict:
@@ -285,36 +291,23 @@ def accuracy(records: Mapping) -> float:
     return sum(records["passed"]) / len(records["passed"])
 
 
-def best_scale(accuracies: Mapping[str, float]) -> str:
-    """The scale key with the highest accuracy (ties: the lower scale)."""
-    return max(accuracies, key=lambda k: (accuracies[k], -float(k)))
-
-
 def base_model(args, spec: EvalSpec, out: Path) -> dict:
     """The base model's validation accuracy at every scale, its best scale and its held-out records
-    there; each evaluation cached under ``OUT/base``."""
+    there (:func:`diffalign.best_scale.evaluate_best_scale`); each evaluation cached under ``OUT/base``."""
+    import torch
+
+    from diffalign.adapters import load_adapter
+    from diffalign.best_scale import evaluate_best_scale
     from diffalign.shapes import prompt_set
 
     settings = {"model": args.model, "eval": spec.settings()}
     check_settings(out / "base" / "settings.json", settings)
-    adapter = None
-
-    def evaluation(split: str, scale: float):
-        def compute():
-            nonlocal adapter
-            if adapter is None:
-                import torch
-
-                from diffalign.adapters import load_adapter
-
-                adapter = load_adapter(args.model, device="cuda" if torch.cuda.is_available() else "cpu")
-            return spec.evaluate(adapter, split, scale)
-
-        return cached_evaluation(out / "base" / f"{split}_cfg{scale_key(scale)}.json", compute)
-
-    validation = {scale_key(s): accuracy(compact(evaluation("validation", s), prompt_set("validation"))) for s in args.scales}
-    best = best_scale(validation)
-    heldout = compact(evaluation("heldout", float(best)), prompt_set("heldout"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = evaluate_best_scale(lambda: load_adapter(args.model, device=device), spec.best_scale_spec(args.scales, device),
+                                 model=args.model, cache=out / "base")
+    validation = {scale_key(s): rate for s, rate in result.validation_rates.items()}
+    best = scale_key(result.scale)
+    heldout = compact(result.heldout, prompt_set("heldout"))
     base = {"settings": settings, "validation": validation, "best_scale": best, "heldout": heldout,
             "heldout_accuracy": accuracy(heldout)}
     from diffalign.runs import atomic_write_text
@@ -434,6 +427,7 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path, method: Meth
     evaluating at every mark (see the module docstring)."""
     import torch
 
+    from diffalign.best_scale import choose_scale
     from diffalign.config_files import load_config, to_dict
     from diffalign.trainer import build_trainer
     from diffalign.shapes import prompt_set
@@ -493,7 +487,7 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path, method: Meth
                 print(f"  {name} seed {seed}: {train_seconds / 60:.2f} min, iteration {it}, train reward "
                       f"{record.get('reward_mean', float('nan')):.3f}, held-out {accuracy(held):.3f} at CFG {training}", flush=True)
         validation = {scale_key(s): evaluate_now("validation", scale_key(s), validation_prompts) for s in scales}
-        chosen = best_scale({k: accuracy(v) for k, v in validation.items()})
+        chosen = choose_scale({k: accuracy(v) for k, v in validation.items()})
         if chosen != training:  # each mark's weights back in place (the trainer is not trained further)
             done: dict[int, dict] = {}
             for mark, weights in zip(marks, snapshots):

@@ -74,7 +74,7 @@ def _check_sampling_args(args) -> None:
 
     if args.steps < 1:
         raise DiffalignError(f"--steps must be >= 1, got {args.steps}")
-    if not math.isfinite(args.guidance_scale):
+    if args.guidance_scale is not None and not math.isfinite(args.guidance_scale):  # None: eval --best-scale
         raise DiffalignError(f"--guidance-scale must be a finite number, got {args.guidance_scale}")
     if getattr(args, "batch_size", 1) < 1:
         raise DiffalignError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -93,6 +93,7 @@ def _cmd_eval(args) -> int:
                                       eval_reward, read_run_source)
     from diffalign.export import load_trained_adapter
 
+    _check_best_scale_args(args)
     _check_sampling_args(args)
     if args.images_per_family < 1:
         raise DiffalignError(f"--images-per-family must be >= 1, got {args.images_per_family}")
@@ -110,8 +111,15 @@ def _cmd_eval(args) -> int:
     # (column, what it is, build): built one at a time, so that one model is in memory at once
     models = [] if base is None else [("base", base, lambda: load_adapter(base))]
     models += [(r.name, f"{r.base} + {r.name}/final", lambda r=r: load_trained_adapter(r.path)) for r in runs]
+    if args.best_scale and reward != DEFAULT_REWARD:
+        raise DiffalignError(f"--best-scale evaluates ShapesEval only (ShapesWorld models), not reward {reward!r}")
     if reward == DEFAULT_REWARD:
         check_shapes_eval(base, base and model_family(base), runs)
+        if args.best_scale:
+            from diffalign.best_scale import final_weights_id
+
+            ids = {"base": base} | {r.name: final_weights_id(r.path) for r in runs}
+            return _eval_best_scale(args, [(name, what, build, ids[name]) for name, what, build in models])
         prompts, what = _eval_prompt_set(args)
         return _eval_shapes(args, prompts, what, models)
     prompts, what = _eval_run_prompts(args, runs)
@@ -177,6 +185,79 @@ def _eval_shapes(args, prompts: list[str], what: str, models) -> int:
     print(_eval_header(args, f"{what}: {sampled}", models))
     print(format_table(comparison_columns(evaluations, base)))
     print(LEGEND)
+    return 0
+
+
+def _check_best_scale_args(args) -> None:
+    """The flags of ``eval --best-scale``, checked before anything loads; ``--guidance-scale`` gets its default."""
+    only = [flag for flag, given in (("--scales", args.scales is not None),
+                                     ("--validation-images-per-family", args.validation_images_per_family is not None),
+                                     ("--cache", args.cache is not None)) if given]
+    if not args.best_scale:
+        if only:
+            raise DiffalignError(f"{only[0]} only applies with --best-scale")
+        args.guidance_scale = DEFAULT_EVAL_GUIDANCE if args.guidance_scale is None else args.guidance_scale
+        return
+    from diffalign.best_scale import DEFAULT_SCALES, DEFAULT_VALIDATION_IMAGES_PER_FAMILY, parse_scales
+
+    clashes = [flag for flag, given in (("--guidance-scale", args.guidance_scale is not None),
+                                        ("--prompts", args.prompts is not None),
+                                        ("--samples-per-prompt", args.samples_per_prompt is not None),
+                                        ("--protocol geneval", args.protocol == "geneval")) if given]
+    if clashes:
+        raise DiffalignError(f"{clashes[0]} does not apply with --best-scale (it chooses each model's scale among --scales "
+                             "on the validation prompts and reports the held-out prompts there)")
+    args.scales = parse_scales(args.scales, "--scales") if args.scales is not None else list(DEFAULT_SCALES)
+    if args.validation_images_per_family is None:
+        args.validation_images_per_family = DEFAULT_VALIDATION_IMAGES_PER_FAMILY
+    if args.validation_images_per_family < 1:
+        raise DiffalignError(f"--validation-images-per-family must be >= 1, got {args.validation_images_per_family}")
+    if args.cache is not None and Path(args.cache).exists() and not Path(args.cache).is_dir():
+        raise DiffalignError(f"--cache: {args.cache!r} is not a folder")
+
+
+def _eval_best_scale(args, models) -> int:
+    """Each model at its validation-best CFG scale, the held-out table there, paired against the base at its own."""
+    from diffalign import progress
+    from diffalign.best_scale import BestScaleSpec, compare_best_scales, evaluate_best_scale, scale_text
+    from diffalign.evaluation import LEGEND, describe_families, format_table
+    from diffalign.shapes import prompt_set
+
+    spec = BestScaleSpec(tuple(args.scales), tuple(prompt_set("validation")), tuple(prompt_set("heldout")),
+                         validation_images_per_family=args.validation_images_per_family,
+                         images_per_family=args.images_per_family, heldout_limit=args.num_prompts, num_steps=args.steps,
+                         seed=args.seed, batch_size=args.batch_size, autocast_dtype=args.autocast_dtype)
+    cache = Path(args.cache) if args.cache is not None else None
+    results = {}
+    for name, what, build, model_id in models:
+        progress.phase(f"evaluating {name} ({what}) at CFG {', '.join(map(scale_text, spec.scales))} ...")
+        results[name] = evaluate_best_scale(build, spec, model=model_id, cache=cache / name if cache else None,
+                                            log=progress.phase)
+    validation, heldout = spec.items("validation"), spec.items("heldout")
+    named = ", ".join(f"{name} = {what}" for name, what, _, _ in models)
+    print(f"best CFG scale per model: chosen on {EVAL_PROMPT_SETS['validation']}, {len(validation)} images per scale "
+          f"({describe_families(validation, spec.validation_images_per_family)}); per-image pass rate, ties: the lower "
+          f"scale; {named}; {args.steps} ODE steps, seed {args.seed}, {spec.precision} forwards")
+    header = ["", *(f"CFG {scale_text(s)}" for s in spec.scales), "chosen"]
+    rows = [[name, *(f"{r.validation_rates[s]:.3f}" for s in spec.scales), f"CFG {scale_text(r.scale)}"]
+            for name, r in results.items()]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print()
+    print(f"{EVAL_PROMPT_SETS['heldout']}: {len(heldout)} images ({describe_families(heldout, spec.images_per_family)}), "
+          "each model at its chosen scale")
+    columns = {}
+    for name, r in results.items():
+        columns[f"{name} (CFG {scale_text(r.scale)})"] = r.heldout.intervals
+        if name != "base" and "base" in results:
+            columns[f"{name} - base"] = compare_best_scales(r, results["base"]).differences
+    print(format_table(columns))
+    print(LEGEND)
+    if "base" in results:
+        for name, r in results.items():
+            if name != "base":
+                print(f"{name}: " + compare_best_scales(r, results["base"]).sentence(trained=name))
     return 0
 
 
@@ -316,11 +397,15 @@ def _config_command(sub, name: str, help: str, fn, *, config_help: str | None = 
     return p
 
 
+DEFAULT_EVAL_GUIDANCE = 4.0  # eval's CFG scale: the shipped model's reported one (not its best; see --best-scale)
+
 RUN_CONFIG_HELP = ("a YAML file, or a shipped recipe's name (shapes/flow_grpo: its path under configs/ without .yaml; "
                    "`diffalign recipes` lists them); a file that exists wins")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from diffalign.config import BEST_SCALE_GRID, BEST_SCALE_VALIDATION_IMAGES  # no torch: --help stays quick
+
     parser = argparse.ArgumentParser(prog="diffalign", description="Align diffusion / flow-matching image models with RL.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -357,9 +442,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first N entries only (ShapesEval: images of the evaluation list; 0 = all): a quick check, not the headline")
     p.add_argument("--samples-per-prompt", type=int, default=None, help="other rewards: images per prompt (default 1)")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--guidance-scale", type=float, default=4.0, help="CFG scale (default 4.0, the shipped model's)")
+    p.add_argument("--guidance-scale", type=float, default=None,
+                   help=f"CFG scale (default {DEFAULT_EVAL_GUIDANCE:g}, the shipped model's; not with --best-scale)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch-size", type=int, default=64, help="images sampled per batch")
+    p.add_argument("--best-scale", action="store_true",
+                   help="ShapesEval: choose each model's CFG scale among --scales on the validation prompts (per-image "
+                        "pass rate, ties: the lower scale), then evaluate the held-out prompts at it and pair each run "
+                        "against the base at the base's own chosen scale. With the defaults about 2,000 images per "
+                        "model: a few minutes per model for the shipped one on a 2-core CPU")
+    p.add_argument("--scales", default=None, help="--best-scale: comma-separated CFG scales (default "
+                                                  f"{','.join(f'{s:g}' for s in BEST_SCALE_GRID)})")
+    p.add_argument("--validation-images-per-family", type=int, default=None,
+                   help=f"--best-scale: validation images per family at each scale (default {BEST_SCALE_VALIDATION_IMAGES}; "
+                        "--images-per-family is the held-out list's)")
+    p.add_argument("--cache", default=None,
+                   help="--best-scale: store every evaluation in this folder (one JSON per model, prompt set and "
+                        "scale) and reuse it when present; refused when stored with other settings")
     p.add_argument("--reward", default=None,
                    help="shapes_eval (intervals and paired differences; ShapesWorld models only) or any reward (mean and "
                         "its summary only); default: the runs' own reward (reward.name and kwargs), shapes_eval without runs")

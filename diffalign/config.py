@@ -273,6 +273,28 @@ class TrainConfig:
         self.ema.validate()
 
 
+MIN_GUIDANCE_SCALE = 1.0  # CFG 1 = no guidance; below it the guidance points away from the prompt
+# the grid a best CFG scale is chosen from: around the shipped model's best (1.5-2) up to the recipes' 4
+BEST_SCALE_GRID = (1.0, 1.5, 2.0, 3.0, 4.0)
+# Validation images per family at each scale: 48 is a whole multiple of every family's validation
+# prompts (3, 6, 2, 3, 4, 24) and half the held-out evaluation's 96, so five scales plus the held-out
+# list are about 2,000 images per model (a few minutes of the shipped model on a 2-core CPU).
+BEST_SCALE_VALIDATION_IMAGES = 48
+
+
+def scale_grid_problem(scales: Sequence[float]) -> Optional[str]:
+    """Why ``scales`` (finite numbers) is no grid of CFG scales to choose a best one from: each
+    >= 1, none twice, at least two; None when it is one."""
+    low = [s for s in scales if not s >= MIN_GUIDANCE_SCALE]
+    if low:
+        return f"must hold CFG scales >= {MIN_GUIDANCE_SCALE:g} (1 = no guidance), got {low[0]:g}"
+    if len(set(scales)) != len(scales):
+        return f"lists a scale twice: {', '.join(f'{s:g}' for s in scales)}"
+    if len(scales) < 2:
+        return f"needs at least two CFG scales to choose from, got {len(scales)}"
+    return None
+
+
 @dataclass
 class EvalConfig:
     every: int = 0  # evaluate every N iterations (0 = only before training and at the end)
@@ -284,6 +306,13 @@ class EvalConfig:
     seed: int = 1234  # eval noise seed: before/after samples share it
     at_start: bool = True  # evaluate the base model before the first update
     use_ema: bool = True  # evaluate (and export as final/) the EMA weights when EMA is enabled
+    # prompts.source=shapes: the final evaluation also evaluates the base and the final weights each
+    # at its validation-best CFG scale of `scales` and pairs them (diffalign.best_scale); off by
+    # default: it samples (len(scales) x 6 x validation_images_per_family + the held-out list) images
+    # per model, several times the final evaluation's
+    best_scale: bool = False
+    scales: list[float] = field(default_factory=lambda: list(BEST_SCALE_GRID))  # eval.best_scale: the grid
+    validation_images_per_family: int = BEST_SCALE_VALIDATION_IMAGES  # eval.best_scale: validation images per family per scale
 
     def validate(self) -> None:
         check(self.every >= 0, "eval.every", "must be >= 0")
@@ -291,6 +320,9 @@ class EvalConfig:
         check(self.images_per_family >= 1, "eval.images_per_family", "must be >= 1")
         check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
         check(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
+        problem = scale_grid_problem(self.scales)
+        check(problem is None, "eval.scales", problem or "")
+        check(self.validation_images_per_family >= 1, "eval.validation_images_per_family", "must be >= 1")
 
 
 @dataclass
@@ -518,6 +550,12 @@ class RunConfig:
         check(self.max_iterations >= 0, "max_iterations", "must be >= 0")
         self.algorithm.validate("algorithm")
         check(bool(self.output_dir), "output_dir", "must not be empty")
+        if self.eval.best_scale:
+            check(self.prompts.source == "shapes", "eval.best_scale",
+                  "needs prompts.source: shapes (it chooses CFG scales on ShapesWorld's validation prompts with ShapesEval)")
+            check(self.prompts.evaluate_on == "heldout", "eval.best_scale",
+                  "chooses the CFG scale on the validation prompts, which prompts.evaluate_on: validation evaluates on; "
+                  "use prompts.evaluate_on: heldout")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if hasattr(value, "validate") and f.name != "algorithm":

@@ -129,6 +129,7 @@ def evaluate_shapes(
     batch_size: int = 64,
     limit: int = 0,
     autocast_dtype: torch.dtype | None = None,
+    show_progress: bool = True,
     **bootstrap,
 ) -> Evaluation:
     """Sample ShapesWorld prompts with a fixed seed, score each image with ShapesEval and bootstrap.
@@ -141,8 +142,8 @@ def evaluate_shapes(
     models evaluated with the same arguments see the same noise image by image, so
     :meth:`Evaluation.compare` can pair them. ``autocast_dtype`` (e.g. ``torch.bfloat16``): the
     denoiser's forwards under autocast, as a run with ``train.mixed_precision`` evaluates (step
-    kernels and scoring stay fp32). ``bootstrap``: ``resamples``, ``seed``, ``level`` of
-    :mod:`diffalign.stats`."""
+    kernels and scoring stay fp32). ``show_progress``: a progress bar (a line off a terminal) while
+    sampling. ``bootstrap``: ``resamples``, ``seed``, ``level`` of :mod:`diffalign.stats`."""
     items = shapes_eval_list(prompts, images_per_family, limit)
     if not items:
         raise ValueError("no prompts to evaluate")
@@ -150,7 +151,7 @@ def evaluate_shapes(
     t0 = time.perf_counter()
     with maybe_autocast(autocast_dtype, torch.device(adapter.device).type):
         images = sample_images(adapter, items, num_steps=num_steps, guidance_scale=guidance_scale, resolution=resolution,
-                               seed=seed, batch_size=batch_size, progress=f"sampling {len(items)} images")
+                               seed=seed, batch_size=batch_size, progress=f"sampling {len(items)} images" if show_progress else None)
     records = shapes_records(images, items)
     meta = {"num_images": len(items), "images_per_family": images_per_family,
             "images_by_family": dict(Counter(r["family"] for r in records)), "num_steps": num_steps,

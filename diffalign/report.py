@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from diffalign import runs, stats
+from diffalign.best_scale import BestScaleComparison
 from diffalign.evaluation import LEGEND, Evaluation, is_bound_key, metric_label, metric_order
 from diffalign.runs import eval_records_path
 from diffalign.stats import Difference
@@ -261,6 +262,21 @@ def verdict(evals: Sequence[dict], rec_a: dict | None, rec_b: dict | None, confi
     return f"**Verdict:** {name} {a:.3f} -> {b:.3f} ({b - a:+.3f}, without interval: {why}) {against}."
 
 
+def best_scale_line(rec_b: dict | None) -> str | None:
+    """The line under the verdict when the last evaluation compared the base and the trained
+    weights each at its validation-best CFG scale (``eval.best_scale``); None when it did not."""
+    summary = (rec_b or {}).get("best_scale")
+    if not summary:
+        return None
+    try:
+        comparison = BestScaleComparison.from_json(summary["comparison"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    rates = lambda model: ", ".join(f"CFG {k} {v:.3f}" for k, v in summary[model]["validation"].items())
+    return (f"**{comparison.sentence()}** (held-out prompts, 95 % paired bootstrap over prompts; the scales chosen on "
+            f"validation prompts by per-image pass rate: base {rates('base')}; trained {rates('trained')}).")
+
+
 def _read_eval_records(run_dir: Path, iteration: int) -> dict | None:
     path = eval_records_path(run_dir, iteration)
     if not path.is_file():
@@ -314,6 +330,9 @@ def evaluation_summary(run_dir: str | Path) -> list[str] | None:
     first, last = evals[0], evals[-1]
     rec_a, rec_b = _read_eval_records(run_dir, first["iteration"]), _read_eval_records(run_dir, last["iteration"])
     lines = [verdict(evals, rec_a, rec_b, _run_config(run_dir)), ""]
+    best = best_scale_line(rec_b)
+    if best:
+        lines += [best, ""]
     if (rec_a or rec_b or {}).get("heldout"):
         section = _interval_section("Held-out evaluation", (rec_a or {}).get("heldout"), (rec_b or {}).get("heldout"),
                                     first["iteration"], last["iteration"])
@@ -333,6 +352,9 @@ def write_report(run_dir: str | Path) -> Path:
     rec_b = _read_eval_records(run_dir, last["iteration"]) if last else None
     drift = reward_drift(records)
     lines = [f"# diffalign run report: `{run_dir.name}`", "", verdict(evals, rec_a, rec_b, config), ""]
+    best = best_scale_line(rec_b)
+    if best:
+        lines += [best, ""]
     if drift is not None and drift.flagged:
         lines += [drift.format(), ""]
     meta_file = run_dir / "final" / "diffalign.json"
@@ -354,9 +376,13 @@ def write_report(run_dir: str | Path) -> Path:
             lines += _interval_section("Held-out evaluation", (rec_a or {}).get("heldout"), (rec_b or {}).get("heldout"),
                                        first["iteration"], last["iteration"],
                                        "Held-out prompts never used in training, plus the in-distribution families. "
-                                       "The base model may do better at another guidance scale: "
-                                       "`python benchmarks/guidance_scales.py --run RUN_DIR --prompts validation` pairs "
-                                       "the run against the base at its best scale.")
+                                       + ("The base model may do better at another guidance scale: the line under the "
+                                          "verdict compares both models, each at its validation-best CFG scale."
+                                          if best else
+                                          "The base model may do better at another guidance scale: "
+                                          f"`diffalign eval {run_dir} --best-scale` evaluates each model at its "
+                                          "validation-best CFG scale and pairs the run against the base there "
+                                          "(`eval.best_scale: true` does it at the end of a run)."))
             if (rec_a or {}).get("probe") or (rec_b or {}).get("probe"):
                 lines += _interval_section(
                     "Generalisation probe (reported apart)", (rec_a or {}).get("probe"), (rec_b or {}).get("probe"),

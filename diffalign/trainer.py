@@ -168,10 +168,15 @@ class Trainer:
         """The forwards' autocast (rollouts and updates alike). Decided by this trainer's precision,
         not by accelerate's process-wide state (DeepSpeed's ZeRO path keeps fp32 master weights and
         autocasts the same way)."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
+        dtype = self.autocast_dtype
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The forwards' autocast dtype (None: fp32), from ``train.mixed_precision`` as resolved."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
         """Call the reward (again after a failure, up to ``reward.max_failures``:
@@ -296,11 +301,18 @@ class Trainer:
             resolution=self.resolution, eval_prompts=self.eval_prompts, probe_prompts=self.probe_prompts,
             score=self.score, eval_weights=self.eval_weights, autocast=self.autocast, run_dir=self.run_dir,
             accelerator=self.accelerator, sharded=self.sharded, progress_bar=cfg.log.progress_bar,
-            log_image=self.tracking.log_image)
+            log_image=self.tracking.log_image, load_base=self.load_base, autocast_dtype=self.autocast_dtype,
+            base_model=cfg.model.id)
 
-    def evaluate(self, iteration: int, *, save_grid: bool = True, probe: bool = False) -> dict:
+    def load_base(self) -> ModelAdapter:
+        """A fresh copy of the base model (``model.*``) on this run's device, as setup loads it."""
+        cfg = self.cfg
+        return load_adapter(cfg.model.id, family=cfg.model.family, device=self.device, dtype=DTYPES[cfg.model.dtype],
+                            **cfg.model.options)
+
+    def evaluate(self, iteration: int, *, save_grid: bool = True, probe: bool = False, best_scale: bool = False) -> dict:
         """See :func:`diffalign.training.evaluator.evaluate`."""
-        return evaluator.evaluate(self.eval_setup(), iteration, save_grid=save_grid, probe=probe)
+        return evaluator.evaluate(self.eval_setup(), iteration, save_grid=save_grid, probe=probe, best_scale=best_scale)
 
     def extra_state(self) -> dict:
         """Algorithm-specific state to checkpoint (override, with :meth:`load_extra_state`)."""
@@ -395,7 +407,7 @@ class Trainer:
             final_iteration = max(cfg.max_iterations, self.start_iteration)
             if self._saved_iteration != final_iteration:  # decided in memory: every process takes the same branch
                 self.save_checkpoint(final_iteration)
-            last_eval = self.evaluate(final_iteration, probe=True)
+            last_eval = self.evaluate(final_iteration, probe=True, best_scale=cfg.eval.best_scale)
             self.write_metrics(last_eval)
             self.log("  eval after training: " + metrics.format_eval(last_eval))
             if self.accelerator.is_main_process and cfg.log.progress_bar:

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                             "diffalign.pairs")),
     ("config", ("diffalign.config", "diffalign.config_files", "diffalign.prompts", "diffalign.distributed",
                 "diffalign.recipes")),  # the package init only: the registry of recipe names
-    ("evaluation, reports and export", ("diffalign.evaluation", "diffalign.report", "diffalign.hub", "diffalign.export",
+    ("evaluation, reports and export", ("diffalign.evaluation", "diffalign.best_scale", "diffalign.report", "diffalign.hub", "diffalign.export",
                                         "diffalign.geneval")),
     ("training parts", ("diffalign.training",)),
     ("the trainer", ("diffalign.trainer",)),

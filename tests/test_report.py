@@ -250,3 +250,43 @@ def test_curve_with_two_evaluations_draws_error_bars_and_says_how_to_get_more(tm
     plt.close(fig)
     text = "\n".join(write_run(tmp_path / "run", train_log([0.1, 0.2]) + accuracy_evals([0, 2])))
     assert "2 marks with 95 % error bars (iterations 0 and 2), too few for a band; `eval.every=N`" in text
+
+
+# --------------------------------------------------------------------------------------------
+# The best-scale line (eval.best_scale)
+# --------------------------------------------------------------------------------------------
+
+
+def test_best_scale_line_sits_under_the_verdict(tmp_path):
+    from diffalign.best_scale import BestScale, compare_best_scales
+
+    # held-out: base passes 1 of 4 images per prompt, trained 2 of 4, on every prompt: +0.25 exactly
+    base_held = fake_records({"colors": [[True, False, False, False]] * 4})
+    trained_held = fake_records({"colors": [[True, True, False, False]] * 4})
+    validation = lambda rate: Evaluation.from_records(fake_records({"colors": [[j < rate for j in range(4)]] * 2}))
+    base = BestScale(2.0, {1.5: validation(1), 2.0: validation(2)}, Evaluation.from_records(base_held))
+    trained = BestScale(1.5, {1.5: validation(3), 2.0: validation(3)}, Evaluation.from_records(trained_held))
+    run = tmp_path / "run"
+    log = [write_eval(run, 0, base_held), {"iteration": 0, "reward_mean": 0.3}, write_eval(run, 1, trained_held)]
+    path = eval_records_path(run, 1)
+    saved = json.loads(path.read_text())
+    saved["best_scale"] = {"base": base.to_json(), "trained": trained.to_json(),
+                           "comparison": compare_best_scales(trained, base).to_json()}
+    path.write_text(json.dumps(saved))
+    lines = write_run(run, log)
+    assert lines[2].startswith("**Verdict:**") and lines[3] == ""
+    assert lines[4] == ("**At each model's validation-best CFG scale (base CFG 2, trained CFG 1.5): +0.250 [+0.250, +0.250] "
+                        "per image, outside noise** (held-out prompts, 95 % paired bootstrap over prompts; the scales chosen "
+                        "on validation prompts by per-image pass rate: base CFG 1.5 0.250, CFG 2 0.500; trained CFG 1.5 "
+                        "0.750, CFG 2 0.750).")
+    assert "the line under the verdict compares both models" in "\n".join(lines)
+
+
+def test_without_best_scale_the_report_points_to_eval_best_scale(tmp_path):
+    run = tmp_path / "run"
+    colors = {"colors": [[True, False]] * 4}
+    lines = write_run(run, [write_eval(run, 0, fake_records(colors)), {"iteration": 0, "reward_mean": 0.3},
+                            write_eval(run, 1, fake_records(colors))])
+    text = "\n".join(lines)
+    assert "At each model's validation-best" not in text and "guidance_scales.py" not in text
+    assert f"`diffalign eval {run} --best-scale`" in text and "eval.best_scale: true" in text

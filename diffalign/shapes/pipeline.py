@@ -32,7 +32,7 @@ from diffalign.shapes.coordinates import attach_coordinates
 # The pretrained model shipped inside the package (a few MB of safetensors).
 SHIPPED_MODEL_DIR = str(Path(__file__).resolve().parent.parent / "assets" / "shapes-t2i")
 
-DEFAULT_GUIDANCE_SCALE = 4.0  # CFG scale of the shipped model's reported accuracy; not its best (benchmarks/guidance_scales.py)
+DEFAULT_GUIDANCE_SCALE = 4.0  # CFG scale of the shipped model's reported accuracy; not its best (diffalign eval --best-scale)
 
 
 class ShapesPipeline(DiffusionPipeline, StableDiffusionLoraLoaderMixin):

@@ -7,6 +7,12 @@ probe; other runs keep the per-image rewards there (for paired intervals in the 
 goes to ``samples/``: for ShapesWorld, one row per GenEval family, each image labelled with its
 prompt and pass / fail; otherwise the first images labelled with prompt and reward (for videos:
 one unlabelled frame strip per video). The same list and seed pick the same images every time.
+
+With ``eval.best_scale`` the final evaluation of a ShapesWorld run also compares the base model and
+the evaluated weights each at its validation-best CFG scale (:mod:`diffalign.best_scale`): every
+``eval.scales`` scale on the validation prompts, then the run's eval list at the chosen one, paired
+image by image; the summary goes to the record (``eval/best_scale/...``) and to
+``eval_records/iter-N.json`` (``best_scale``).
 """
 
 from __future__ import annotations
@@ -19,14 +25,15 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
-from diffalign import runs
+from diffalign import progress, runs
 from diffalign.adapters import ModelAdapter
+from diffalign.best_scale import BestScaleSpec, compare_best_scales, evaluate_best_scale, scale_text
 from diffalign.config import EvalConfig
 from diffalign.evaluation import Evaluation, interval_record, shapes_records
 from diffalign.images import labelled_grid, sample_grid, save_png, short_prompt
 from diffalign.runs import eval_records_path
 from diffalign.sampling import sample_images
-from diffalign.shapes import evaluation_prompts
+from diffalign.shapes import evaluation_prompts, prompt_family, prompt_set
 
 GRID_PER_FAMILY = 8  # ShapesWorld grids: images per GenEval family (one row each)
 GRID_IMAGES = 16  # other image grids: the first 16 images (two rows), so a grid of large images stays small
@@ -58,6 +65,11 @@ class EvalSetup:
     sharded: bool  # ZeRO-3 / FSDP: every process takes part in every forward
     progress_bar: bool = False
     log_image: Optional[Callable[[str, Path, int], None]] = None  # (tag, png path, iteration) to the trackers
+    # eval.best_scale: the base model, loaded afresh (a second copy: ShapesWorld models are small), and
+    # the forwards' autocast dtype as evaluation.evaluate_shapes takes it (None: fp32)
+    load_base: Optional[Callable[[], ModelAdapter]] = None
+    autocast_dtype: Optional[torch.dtype] = None
+    base_model: str = ""  # model.id, as the best-scale summary names the base
 
 
 def eval_items(e: EvalConfig, prompts: Sequence[str], *, shapes: bool) -> list[str]:
@@ -72,18 +84,20 @@ def eval_items(e: EvalConfig, prompts: Sequence[str], *, shapes: bool) -> list[s
     return [p for p in prompts for _ in range(e.samples_per_prompt)]
 
 
-def evaluate(setup: EvalSetup, iteration: int, *, save_grid: bool = True, probe: bool = False) -> dict:
+def evaluate(setup: EvalSetup, iteration: int, *, save_grid: bool = True, probe: bool = False,
+             best_scale: bool = False) -> dict:
     """Sample the eval prompts with fixed seeds (ODE) and score them; the record on the main
-    process, {} on the others. ``probe``: also evaluate the generalisation probe."""
+    process, {} on the others. ``probe``: also evaluate the generalisation probe; ``best_scale``
+    (ShapesWorld): also the best-scale comparison (:func:`best_scale_comparison`)."""
     acc = setup.accelerator
     if setup.sharded:  # sharded forwards: every process samples the same images
-        record = _run(setup, iteration, save_grid=save_grid, probe=probe)
+        record = _run(setup, iteration, save_grid=save_grid, probe=probe, best_scale=best_scale)
         acc.wait_for_everyone()
         return record if acc.is_main_process else {}
     if not acc.is_main_process:
         acc.wait_for_everyone()
         return {}
-    record = _run(setup, iteration, save_grid=save_grid, probe=probe)
+    record = _run(setup, iteration, save_grid=save_grid, probe=probe, best_scale=best_scale)
     if acc.num_processes > 1:
         acc.wait_for_everyone()
     return record
@@ -158,7 +172,49 @@ def sample_eval(setup: EvalSetup, items: Sequence[str], what: str = "eval") -> t
                                  progress=f"{what}: {len(items)} images" if show else None)
 
 
-def _run(setup: EvalSetup, iteration: int, *, save_grid: bool, probe: bool) -> dict:
+def validation_prompts(eval_prompts: Sequence[str]) -> list[str]:
+    """The validation prompts (``prompt_set("validation")``) of the families ``eval_prompts`` holds
+    (a run restricted by ``prompts.families`` chooses its scale on those families only)."""
+    families = {prompt_family(p) for p in eval_prompts}
+    return [p for p in prompt_set("validation") if prompt_family(p) in families]
+
+
+def best_scale_comparison(setup: EvalSetup) -> dict:
+    """The base model (``setup.load_base``) and the evaluated weights, each at its validation-best
+    scale of ``eval.scales`` (the validation prompts at ``eval.validation_images_per_family``, then
+    the run's eval list at the chosen scale), and the paired comparison: ``{"base", "trained",
+    "comparison"}`` as :meth:`~diffalign.best_scale.BestScale.to_json` and
+    :meth:`~diffalign.best_scale.BestScaleComparison.to_json` write them."""
+    e = setup.eval
+    show = setup.progress_bar and setup.accelerator.is_main_process
+    spec = BestScaleSpec(tuple(sorted(e.scales)), tuple(validation_prompts(setup.eval_prompts)), tuple(setup.eval_prompts),
+                         validation_images_per_family=e.validation_images_per_family,
+                         images_per_family=e.images_per_family, heldout_limit=e.num_prompts, num_steps=setup.num_steps,
+                         seed=e.seed, batch_size=e.batch_size, resolution=setup.resolution,
+                         autocast_dtype=setup.autocast_dtype, progress=show)
+    log = progress.phase if show else None
+    if setup.load_base is None:
+        raise ValueError("eval.best_scale needs EvalSetup.load_base")
+    base = evaluate_best_scale(setup.load_base, spec, model=setup.base_model, log=log)
+    trained = evaluate_best_scale(lambda: setup.adapter, spec, model="final weights", weights=setup.eval_weights, log=log)
+    comparison = compare_best_scales(trained, base)
+    if log is not None:
+        log("  " + comparison.sentence())
+    return {"base": base.to_json(), "trained": trained.to_json(), "comparison": comparison.to_json(),
+            "scales": [scale_text(s) for s in spec.scales]}
+
+
+def best_scale_record(summary: dict) -> dict[str, float]:
+    """The metrics-log keys of a best-scale summary: both chosen scales and the per-image
+    difference with its interval."""
+    d = summary["comparison"]["difference"]
+    return {"eval/best_scale/base_scale": summary["comparison"]["base_scale"],
+            "eval/best_scale/trained_scale": summary["comparison"]["trained_scale"],
+            "eval/best_scale/difference": d["value"], "eval/best_scale/difference_lo": d["lo"],
+            "eval/best_scale/difference_hi": d["hi"]}
+
+
+def _run(setup: EvalSetup, iteration: int, *, save_grid: bool, probe: bool, best_scale: bool = False) -> dict:
     e = setup.eval
     prompts = eval_items(e, setup.eval_prompts, shapes=setup.shapes)
     t0 = time.perf_counter()
@@ -184,6 +240,9 @@ def _run(setup: EvalSetup, iteration: int, *, save_grid: bool, probe: bool) -> d
             record.update(interval_record(probe_eval.intervals, "eval/probe/"))
             record["eval/probe/num_images"] = len(items)
             saved["probe"] = probe_eval.to_json()
+        if best_scale:
+            saved["best_scale"] = best_scale_comparison(setup)
+            record.update(best_scale_record(saved["best_scale"]))
     else:
         # Per-image rewards (None where not finite), so that the report can pair two evaluations.
         saved = {"iteration": iteration, "rewards": {"prompts": list(prompts), "guidance_scale": setup.guidance_scale,
