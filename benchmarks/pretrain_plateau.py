@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.leaderboard import cpu_model  # noqa: E402
 from benchmarks.pass_at_k import family_table  # noqa: E402
 from diffalign.errors import DiffalignError  # noqa: E402
 
@@ -201,6 +202,8 @@ def evaluate_checkpoint(step: int, model: Path, args, out: Path) -> dict:
             "validation": {scale_text(s): ev.metrics[HEADLINE] for s, ev in validation.items()},
             "interval": chosen.intervals[HEADLINE].to_dict(), "partial": chosen.metrics["partial"],
             "pass_at_k": mean_pass_at_k(chosen.records, args.k), "k": args.k, "records": chosen.records,
+            "cpu": cpu_model(), "threads": torch.get_num_threads(),
+            "seconds": sum(ev.seconds for ev in validation.values()),
             "settings": settings(args)}
 
 
