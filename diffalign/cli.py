@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 from diffalign.errors import DiffalignError, Interrupted
@@ -254,8 +256,10 @@ def _cmd_recipes(args) -> int:
             raise DiffalignError(f"`diffalign recipes` takes no name (got {args.name!r}); use: diffalign recipes show NAME")
         recipes = shipped.available()
         width = max((len(r.name) for r in recipes), default=0)
+        columns = shutil.get_terminal_size().columns if sys.stdout.isatty() else 0  # a pipe: one line per recipe
         for recipe in recipes:
-            print(f"{recipe.name:<{width}}  {recipe.description}".rstrip())
+            line = f"{recipe.name:<{width}}  {recipe.description}".rstrip()
+            print(textwrap.fill(line, columns, subsequent_indent=" " * (width + 2)) if columns > width + 20 else line)
         print(f"# run one: diffalign train NAME; copy one to edit: diffalign recipes show NAME > my.yaml; files: {shipped.root()}")
         return 0
     if args.name is None:
@@ -321,8 +325,11 @@ RUN_CONFIG_HELP = ("a YAML file, or a shipped recipe's name (shapes/flow_grpo: i
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from diffalign import __version__
+
     parser = argparse.ArgumentParser(prog="diffalign", description="Align diffusion / flow-matching image models with RL.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"diffalign {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = _config_command(sub, "train", "train from a YAML config: diffalign train CONFIG [key=value ...]", _cmd_train,
                         config_help=RUN_CONFIG_HELP, overwrite="delete a previous run in output_dir first")
@@ -414,8 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=8, help="first N prompts only (0 = all)")
     p.add_argument("--samples-per-prompt", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--guidance-scale", type=float, default=4.5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--guidance-scale", type=float, default=4.0, help="CFG scale (default 4.0, as eval and the shipped model)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the first image's noise (default 1234, as eval)")
     p.add_argument("--resolution", type=int, default=0, help="0 = the model's default")
     p.add_argument("--drm", default=None, help="DRM folder (diffalign train-reward) for step-wise sampling")
     p.add_argument("--branches", type=int, default=1, help="k candidates per step; 1 = plain ODE sampling")
@@ -443,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # plain `diffalign`: what it can do, not an error
+        parser.print_help()
+        return 0
     # overrides may follow flags (`train c.yaml --overwrite a.b=1`): collect them from the leftovers
     args, extra = parser.parse_known_args(argv)
     if extra:
