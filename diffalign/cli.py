@@ -166,7 +166,9 @@ def _eval_shapes(args, prompts: list[str], what: str, models) -> int:
     if args.samples_per_prompt is not None:
         raise DiffalignError("--samples-per-prompt is for other rewards; ShapesEval evaluates --images-per-family images per family")
     items = shapes_eval_list(prompts, args.images_per_family, args.num_prompts)  # what is sampled, as sampled
-    sampled = f"{len(items)} images ({describe_families(items, args.images_per_family)})"
+    whole = len(shapes_eval_list(prompts, args.images_per_family))
+    spread = ", each family's first" if len(items) < whole else ""  # --num-prompts: spread over the families
+    sampled = f"{len(items)} images{spread} ({describe_families(items, args.images_per_family)})"
     kwargs = dict(images_per_family=args.images_per_family, num_steps=args.steps, guidance_scale=args.guidance_scale,
                   seed=args.seed, batch_size=args.batch_size, limit=args.num_prompts, autocast_dtype=args.autocast_dtype)
     evaluations = {}
@@ -361,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: heldout for ShapesEval, else the runs' own eval prompts)")
     p.add_argument("--images-per-family", type=int, default=96, help="ShapesEval: images per GenEval family (default 96)")
     p.add_argument("--num-prompts", type=int, default=0,
-                   help="first N entries only (ShapesEval: images of the evaluation list; 0 = all): a quick check, not the headline")
+                   help="N prompts only (0 = all): a quick check, not the headline. ShapesEval: N images spread over "
+                        "the families, each family's first (the header line names them); other rewards: the first N prompts")
     p.add_argument("--samples-per-prompt", type=int, default=None, help="other rewards: images per prompt (default 1)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--guidance-scale", type=float, default=4.0, help="CFG scale (default 4.0, the shipped model's)")
