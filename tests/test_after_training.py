@@ -36,6 +36,15 @@ def readme_commands() -> dict[str, list[str]]:
     return {argv[1]: argv[1:] for argv in commands}
 
 
+def test_train_prints_what_the_readme_says(home):
+    """The README's "What command 1 prints": the evaluation before and after, a line per iteration,
+    the run directory and the report; the model loads behind diffalign's own line, no library bars."""
+    out, err = (home / "train.stdout").read_text(), (home / "train.stderr").read_text()
+    assert f"run directory: {RUN}" in out and f"report: {RUN}/report.md" in out, out
+    assert "eval before training:" in err and "iteration 1/2: reward" in err and "eval after training:" in err, err
+    assert "Loading pipeline components" not in err and "Loading weights" not in err
+
+
 def test_the_readme_names_the_four_follow_ups_on_the_run():
     commands = readme_commands()
     assert set(commands) == {"eval", "sample", "export", "demo"}

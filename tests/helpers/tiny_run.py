@@ -74,10 +74,13 @@ def diffalign(*args, cwd, timeout: int = 300, env: dict | None = None):
 
 def shapes_run(tmp_path_factory) -> Path:
     """A user's folder holding ``runs/shapes_flow_grpo``: the main job's recipe trained by ``diffalign
-    train shapes/flow_grpo`` with :data:`QUICK_SHAPES`, once per test session. Tests only read it."""
+    train shapes/flow_grpo`` with :data:`QUICK_SHAPES`, once per pytest process, and what the command
+    printed (``train.stdout``, ``train.stderr``). Tests only read it."""
     if "shapes" not in _cache:
         home = tmp_path_factory.mktemp("user")
         done = diffalign("train", "shapes/flow_grpo", *QUICK_SHAPES, cwd=home, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
+        (home / "train.stdout").write_text(done.stdout)  # what the user saw, for the tests that read it
+        (home / "train.stderr").write_text(done.stderr)
         _cache["shapes"] = home
     return _cache["shapes"]
