@@ -96,6 +96,24 @@ def score(rewards: dict, images: torch.Tensor, prompt: str) -> tuple[dict[str, l
     return scores, errors
 
 
+# rewards whose default score is pass / fail (1 / 0): their row says so, so that "0 0 0" reads as "both fail"
+PASS_FAIL_REWARDS = {"shapes_eval": "shapes_eval (1 = pass, 0 = fail)"}
+
+
+def reward_label(name: str) -> str:
+    """The row label of reward ``name`` in the rewards table."""
+    return PASS_FAIL_REWARDS.get(name, name)
+
+
+def warnings(errors: dict[str, str]) -> list[str]:
+    """One warning per distinct message of :func:`score`'s errors, naming every reward that gave it
+    (ShapesEval and ShapesSoft refuse a prompt outside the shapes grammar with the same words)."""
+    by_message: dict[str, list[str]] = {}
+    for name, message in errors.items():
+        by_message.setdefault(message, []).append(name)
+    return [f"{', '.join(names)}: {message}" for message, names in by_message.items()]
+
+
 def build_app(
     base_adapter: ModelAdapter,
     aligned_adapter: ModelAdapter,
@@ -136,9 +154,9 @@ def build_app(
         base = generate_with_previews(base_adapter, prompt, **kw)
         aligned = generate_with_previews(aligned_adapter, prompt, **kw)
         scores, errors = score({n: rewards[n] for n in selected or []}, torch.stack([base.image, aligned.image]), prompt)
-        for name, message in errors.items():
-            gr.Warning(f"{name}: {message}")
-        table = [[name, round(b, 4), round(a, 4), round(a - b, 4)] for name, (b, a) in scores.items()]
+        for message in warnings(errors):
+            gr.Warning(message)
+        table = [[reward_label(name), round(b, 4), round(a, 4), round(a - b, 4)] for name, (b, a) in scores.items()]
 
         def strip(g: Generation):
             return [(to_pil(img, preview_size), f"t={float(t):.3g}") for img, t in zip(g.previews, g.times)]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 from diffalign.errors import DiffalignError, Interrupted
@@ -172,7 +174,9 @@ def _eval_shapes(args, prompts: list[str], what: str, models) -> int:
     if args.samples_per_prompt is not None:
         raise DiffalignError("--samples-per-prompt is for other rewards; ShapesEval evaluates --images-per-family images per family")
     items = shapes_eval_list(prompts, args.images_per_family, args.num_prompts)  # what is sampled, as sampled
-    sampled = f"{len(items)} images ({describe_families(items, args.images_per_family)})"
+    whole = len(shapes_eval_list(prompts, args.images_per_family))
+    spread = ", each family's first" if len(items) < whole else ""  # --num-prompts: spread over the families
+    sampled = f"{len(items)} images{spread} ({describe_families(items, args.images_per_family)})"
     kwargs = dict(images_per_family=args.images_per_family, num_steps=args.steps, guidance_scale=args.guidance_scale,
                   seed=args.seed, batch_size=args.batch_size, limit=args.num_prompts, autocast_dtype=args.autocast_dtype)
     evaluations = {}
@@ -335,8 +339,10 @@ def _cmd_recipes(args) -> int:
             raise DiffalignError(f"`diffalign recipes` takes no name (got {args.name!r}); use: diffalign recipes show NAME")
         recipes = shipped.available()
         width = max((len(r.name) for r in recipes), default=0)
+        columns = shutil.get_terminal_size().columns if sys.stdout.isatty() else 0  # a pipe: one line per recipe
         for recipe in recipes:
-            print(f"{recipe.name:<{width}}  {recipe.description}".rstrip())
+            line = f"{recipe.name:<{width}}  {recipe.description}".rstrip()
+            print(textwrap.fill(line, columns, subsequent_indent=" " * (width + 2)) if columns > width + 20 else line)
         print(f"# run one: diffalign train NAME; copy one to edit: diffalign recipes show NAME > my.yaml; files: {shipped.root()}")
         return 0
     if args.name is None:
@@ -404,10 +410,12 @@ RUN_CONFIG_HELP = ("a YAML file, or a shipped recipe's name (shapes/flow_grpo: i
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from diffalign import __version__
     from diffalign.config import BEST_SCALE_GRID, BEST_SCALE_VALIDATION_IMAGES  # no torch: --help stays quick
 
     parser = argparse.ArgumentParser(prog="diffalign", description="Align diffusion / flow-matching image models with RL.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"diffalign {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = _config_command(sub, "train", "train from a YAML config: diffalign train CONFIG [key=value ...]", _cmd_train,
                         config_help=RUN_CONFIG_HELP, overwrite="delete a previous run in output_dir first")
@@ -439,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: heldout for ShapesEval, else the runs' own eval prompts)")
     p.add_argument("--images-per-family", type=int, default=96, help="ShapesEval: images per GenEval family (default 96)")
     p.add_argument("--num-prompts", type=int, default=0,
-                   help="first N entries only (ShapesEval: images of the evaluation list; 0 = all): a quick check, not the headline")
+                   help="N prompts only (0 = all): a quick check, not the headline. ShapesEval: N images spread over "
+                        "the families, each family's first (the header line names them); other rewards: the first N prompts")
     p.add_argument("--samples-per-prompt", type=int, default=None, help="other rewards: images per prompt (default 1)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--guidance-scale", type=float, default=None,
@@ -513,8 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=8, help="first N prompts only (0 = all)")
     p.add_argument("--samples-per-prompt", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--guidance-scale", type=float, default=4.5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--guidance-scale", type=float, default=4.0, help="CFG scale (default 4.0, as eval and the shipped model)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the first image's noise (default 1234, as eval)")
     p.add_argument("--resolution", type=int, default=0, help="0 = the model's default")
     p.add_argument("--drm", default=None, help="DRM folder (diffalign train-reward) for step-wise sampling")
     p.add_argument("--branches", type=int, default=1, help="k candidates per step; 1 = plain ODE sampling")
@@ -542,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # plain `diffalign`: what it can do, not an error
+        parser.print_help()
+        return 0
     # overrides may follow flags (`train c.yaml --overwrite a.b=1`): collect them from the leftovers
     args, extra = parser.parse_known_args(argv)
     if extra:

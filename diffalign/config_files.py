@@ -212,6 +212,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+# keys every accelerate launcher config has (`accelerate config` writes them; configs/accelerate/ ships some)
+# and no training recipe has
+LAUNCHER_KEYS = frozenset({"compute_environment", "distributed_type"})
+
+
 def read_yaml(path: str | os.PathLike) -> dict:
     """The mapping in a config file; ``path`` may also name a shipped recipe (``shapes/flow_grpo``,
     see :func:`diffalign.shipped.config_file`: a file that exists wins)."""
@@ -235,6 +240,9 @@ def read_yaml(path: str | os.PathLike) -> dict:
         raise ConfigError(f"config file {str(p)!r} is empty")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    if LAUNCHER_KEYS & set(data):
+        raise ConfigError(f"config file {str(p)!r} is a launcher config, not a training recipe: use it with accelerate "
+                          f"launch --config_file {p} -m diffalign.cli train CONFIG (docs/distributed.md)")
     return data
 
 

@@ -22,6 +22,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
@@ -138,7 +139,8 @@ def evaluate_shapes(
     evaluation, ``split_prompts().probe`` for the generalisation probe), expanded by
     :func:`~diffalign.shapes.evaluation_prompts` to ``images_per_family`` images per family; with
     ``images_per_family=None`` the list is sampled as given (one image per entry). ``limit`` > 0
-    keeps only the first ``limit`` images (a quick check, not a comparable evaluation). Two
+    keeps ``limit`` images spread over the families (:func:`shapes_eval_list`; a quick check, not a
+    comparable evaluation). Two
     models evaluated with the same arguments see the same noise image by image, so
     :meth:`Evaluation.compare` can pair them. ``autocast_dtype`` (e.g. ``torch.bfloat16``): the
     denoiser's forwards under autocast, as a run with ``train.mixed_precision`` evaluates (step
@@ -161,9 +163,17 @@ def evaluate_shapes(
 
 
 def shapes_eval_list(prompts: Sequence[str], images_per_family: int | None = 96, limit: int = 0) -> list[str]:
-    """The prompt of every image :func:`evaluate_shapes` samples, in order (see its arguments)."""
+    """The prompt of every image :func:`evaluate_shapes` samples, in order (see its arguments).
+    ``limit`` > 0 keeps that many entries spread over the families: the first of each family in
+    turn (each family's first, then each one's second, ...), in the order of the whole list."""
     items = evaluation_prompts(prompts, images_per_family) if images_per_family is not None else list(prompts)
-    return items[:limit] if limit else items
+    if not limit or limit >= len(items):
+        return items
+    by_family: dict[str, list[int]] = {}
+    for i, p in enumerate(items):
+        by_family.setdefault(prompt_family(p), []).append(i)
+    taken = [i for rank in zip_longest(*by_family.values()) for i in rank if i is not None][:limit]
+    return [items[i] for i in sorted(taken)]
 
 
 def describe_families(items: Sequence[str], images_per_family: int | None = 96) -> str:

@@ -9,6 +9,7 @@ than a few seconds: bars refresh at least every :data:`REFRESH_S` seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Iterable, Optional
@@ -59,6 +60,29 @@ def silence_libraries() -> None:
             hf_logging = importlib.import_module(f"{library}.utils.logging")
             hf_logging.disable_progress_bar()
             hf_logging.set_verbosity_error()
+
+
+@contextlib.contextmanager
+def library_bars_off():
+    """diffusers' and transformers' own progress bars off inside (a pipeline's "Loading pipeline
+    components" and "Loading weights" bars, one pair per model loaded): the command shows one bar or
+    line of its own for a load. The Hub's download bars stay; the previous state is restored after."""
+    import importlib
+
+    switched = []
+    for library in ("diffusers", "transformers"):
+        try:
+            hf_logging = importlib.import_module(f"{library}.utils.logging")
+        except ImportError:
+            continue
+        if hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()
+            switched.append(hf_logging)
+    try:
+        yield
+    finally:
+        for hf_logging in switched:
+            hf_logging.enable_progress_bar()
 
 
 def is_quiet() -> bool:

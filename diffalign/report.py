@@ -39,6 +39,13 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def iterations_done(record: dict) -> int:
+    """The iterations trained when a training record's iteration ended: its 0-based ``iteration``
+    + 1. The report numbers everything this way, as the evaluations (iteration 0 = before training,
+    N = after N iterations) and the training log's ``iteration k/N`` lines do."""
+    return record["iteration"] + 1
+
+
 # --------------------------------------------------------------------------------------------
 # Training-reward drift
 # --------------------------------------------------------------------------------------------
@@ -49,7 +56,7 @@ class RewardDrift:
     """The last window of iterations against the best earlier window (not overlapping it)."""
 
     window: int  # iterations per window
-    best: tuple[int, int]  # first and last iteration of the best window
+    best: tuple[int, int]  # first and last iteration of the best window (1 = the first iteration, :func:`iterations_done`)
     last: tuple[int, int]  # first and last iteration of the last window
     best_mean: float
     last_mean: float
@@ -76,7 +83,7 @@ def reward_drift(records: Sequence[dict], window: int = DRIFT_WINDOW) -> RewardD
     :data:`MIN_DRIFT_WINDOW` iterations per window are possible. The interval resamples the
     iterations of each window (:func:`diffalign.stats.bootstrap_mean_difference`); the best
     window is chosen on the same numbers, so the check leans towards flagging."""
-    points = [(r["iteration"], float(r["reward_mean"])) for r in records if _number(r.get("reward_mean"))]
+    points = [(iterations_done(r), float(r["reward_mean"])) for r in records if _number(r.get("reward_mean"))]
     n = len(points)
     w = min(window, n // 4)
     if w < MIN_DRIFT_WINDOW:
@@ -105,15 +112,18 @@ def _accuracy_points(evals: Sequence[dict]) -> list[tuple[int, float, float, flo
 
 def curve_figure(records: Sequence[dict], evals: Sequence[dict], drift: RewardDrift | None = None):
     """The training reward per iteration (left; a flagged drift shades its two windows) and the
-    held-out curve (right): a marker at every evaluation; ShapesWorld accuracy with its 95 %
+    held-out curve (right), on one integer iteration axis (:func:`iterations_done`): a marker at every evaluation; ShapesWorld accuracy with its 95 %
     interval as a band from :data:`BAND_MIN_EVALS` evaluations on, as error bars below that."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    its = [r["iteration"] for r in records]
+    from matplotlib.ticker import MaxNLocator
+
+    # one iteration axis for both panels: evaluations at 0 (before training) .. N, iteration k's reward at k
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharex=True)
+    its = [iterations_done(r) for r in records]
     axes[0].plot(its, [r.get("reward_mean") for r in records], marker="o", ms=3, label="train reward (mean)")
     if drift is not None and drift.flagged:
         for (a, b), colour, name in ((drift.best, "C2", "best window"), (drift.last, "C3", "last window")):
@@ -141,6 +151,8 @@ def curve_figure(records: Sequence[dict], evals: Sequence[dict], drift: RewardDr
         ax.set_title("eval reward (held-out prompts)")
     ax.set_xlabel("iteration")
     ax.grid(alpha=0.3)
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     return fig
 

@@ -42,6 +42,23 @@ def read_final_metadata(run_dir: Path) -> dict:
     return json.loads(meta_file.read_text())
 
 
+def finished_iterations(run_dir: Path, max_iterations: int, report: bool = False) -> Optional[int]:
+    """The iterations a finished run trained, or None when a resume has work left. Finished: its
+    ``final/`` holds the weights of the latest checkpoint's iteration (the final evaluation ran before
+    they were written), that iteration reaches ``max_iterations``, and (``report``) report.md exists."""
+    meta_file = Path(run_dir) / "final" / METADATA_FILE
+    try:
+        done = json.loads(meta_file.read_text()).get("iterations")
+    except (OSError, ValueError, AttributeError):
+        return None
+    latest = latest_checkpoint(Path(run_dir))
+    if not isinstance(done, int) or done < max_iterations or (latest is not None and _checkpoint_iteration(latest) > done):
+        return None
+    if report and not (Path(run_dir) / "report.md").is_file():
+        return None
+    return done
+
+
 CHECKPOINT_PREFIX = "iter-"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.resources
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,15 +43,30 @@ class Recipe:
 
     @property
     def description(self) -> str:
-        """The first comment line of the file that is prose (a line showing the launch command is
-        skipped); empty when the file opens without a comment."""
+        """The first sentence of the file's opening comment, joined across its lines: a leading line
+        that shows the launch command is skipped, and the paragraph ends at a blank or indented
+        comment line (a list or table follows); empty when the file opens without a comment."""
+        words: list[str] = []
         for line in self.path.read_text(encoding="utf-8").splitlines():
-            if not line.startswith("#"):
+            text = line[1:].strip()
+            if not line.startswith("#") or (words and (not text or line.startswith("#  "))):
                 break
-            text = line.lstrip("#").strip()
-            if text and not text.startswith(COMMAND_PREFIXES):
-                return text
-        return ""
+            if text and (words or not text.startswith(COMMAND_PREFIXES)):
+                words.append(text)
+        return first_sentence(" ".join(words))
+
+
+ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.", "cf.", "et al.")  # a full stop that ends no sentence
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of ``text`` (up to a full stop, ! or ? followed by a space, not one of
+    :data:`ABBREVIATIONS`); a trailing colon, which introduced what followed it, becomes a full stop."""
+    for match in re.finditer(r"[.!?](?=\s)", text):
+        if not text[: match.end()].endswith(ABBREVIATIONS):
+            text = text[: match.end()]
+            break
+    return text[:-1] + "." if text.endswith(":") else text
 
 
 def root() -> Path:

@@ -48,6 +48,10 @@ def build_trainer(cfg: RunConfig, **kwargs) -> "Trainer":
     return recipes.trainer_class(cfg.algorithm.name)(cfg, **kwargs)
 
 
+class _Finished(Exception):
+    """Raised by :meth:`Trainer.setup` when a resumed run had already finished (see :meth:`Trainer.train`)."""
+
+
 class Trainer:
     """Base trainer; subclasses implement :meth:`iteration`. See the module docstring."""
 
@@ -71,6 +75,7 @@ class Trainer:
         self.self_check_log_ratio: Optional[float] = None  # max |log ratio| of the on-policy self-check
         self._saved_iteration: Optional[int] = None  # the iteration of the last checkpoint written (or resumed from)
         self._updated_in_iteration = False  # an optimizer step was taken in this iteration (guarded_iteration)
+        self.finished: Optional[int] = None  # a resumed run that had already finished: the iterations it trained
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -99,6 +104,9 @@ class Trainer:
         runs.check_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)  # every process: same verdict
         if self.resume:  # before the model loads: a changed setup is a one-line error
             checkpoints.check_resume_config(self.run_dir, cfg, self.allow_config_change)
+            self.finished = runs.finished_iterations(self.run_dir, cfg.max_iterations, report=cfg.log.report)
+            if self.finished is not None:
+                raise _Finished  # nothing to load, train, evaluate or write: train() says so
         self.device = self.accelerator.device
         set_seed(cfg.seed)  # same on every process: identical initial (LoRA) weights
 
@@ -347,8 +355,16 @@ class Trainer:
             self.log(line)
 
     def train(self) -> dict:
-        """Run to ``max_iterations``; returns the last eval record (or {})."""
-        self.setup()
+        """Run to ``max_iterations``; returns the last eval record (or {}). A resumed run that had
+        already finished (:func:`diffalign.runs.finished_iterations`) is left as it is: one line says
+        so and how to extend it, and {} is returned."""
+        try:
+            self.setup()
+        except _Finished:  # resumed after it finished: final/ and the report stay as they are
+            self.log(f"run {str(self.run_dir)!r} is finished: {self.finished} iterations trained (max_iterations="
+                     f"{self.cfg.max_iterations}), final/ and its evaluation written; nothing was changed. To train "
+                     f"it further: diffalign resume {self.run_dir} max_iterations={2 * self.finished}")
+            return {}
         self.print_header()
         self.stop_signals = StopSignals(self._log)
         with self.stop_signals.installed():

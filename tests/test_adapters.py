@@ -364,6 +364,8 @@ def test_local_folder_picks_family_from_model_index(monkeypatch, tmp_path):
 
 
 def test_bad_ids_raise_model_load_error(tmp_path, monkeypatch):
+    import diffalign.adapters as adapters
+
     def raises(model_id, match=None, **kwargs):
         with pytest.raises(ModelLoadError) as info:
             load_adapter(model_id, **kwargs)
@@ -386,12 +388,19 @@ def test_bad_ids_raise_model_load_error(tmp_path, monkeypatch):
     a_file.write_bytes(b"")
     raises(str(a_file))
 
-    # Hub ids: no network here, so make the hub answer "not found" at once.
+    # Hub ids: a Hub that cannot be reached is said at once, naming the closest local name
     import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    message = raises("shapess")
+    assert "cannot be looked up (127.0.0.1 cannot be reached" in message and "did you mean 'shapes'?" in message
+    # a Hub that answers "not found" at once
 
     def offline(*args, **kwargs):
         raise OSError("offline")
 
+    monkeypatch.setattr(adapters, "_hub_unreachable", lambda: None)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     assert "family=" in raises("someone/some-model")
     # With a family given, from_pretrained itself fails (nothing cached, no downloads allowed).

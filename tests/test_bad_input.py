@@ -38,6 +38,7 @@ CASES = [
     ("train-garbled-yaml", [T, "{tmp}/garbled.yaml"], "not valid YAML"),
     ("train-list-yaml", [T, "{tmp}/list.yaml"], "mapping"),
     ("train-config-is-a-directory", [T, "{tmp}/notrun"], "is a directory"),
+    ("train-launcher-config", [T, "accelerate/ddp"], "is a launcher config, not a training recipe"),
     # ---- train: keys and values
     ("train-unknown-key", [T, CONFIG, "output_dir={run}", "bogus.key=1"], "'bogus'"),
     ("train-unknown-nested-key", [T, CONFIG, "output_dir={run}", "sampling.bogus=1"], "'sampling.bogus'"),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny_run import CONFIG, FAST, ROOT
+from tests.helpers.tiny_run import CONFIG, FAST, ROOT, diffalign
 
 SHAPES_CONFIG = "configs/shapes/flow_grpo.yaml"
 
@@ -75,17 +75,30 @@ def test_eval_resolves_each_runs_own_base_and_reward(tmp_path):
         eval_reward([sd3, shapes], None)
 
 
-def test_eval_header_states_what_was_sampled(capsys, monkeypatch):
-    """The shipped model on ShapesEval, cut to 3 images: the header says 3 images, not 96 per family."""
-    from diffalign.cli import main
-
-    monkeypatch.chdir(ROOT)
-    code = main(["eval", "--num-prompts", "3", "--steps", "1", "--images-per-family", "2", "--mixed-precision", "no"])
-    out = capsys.readouterr().out
-    assert code == 0
-    header = out.splitlines()[0]
-    assert "3 images (single_object 2 of 2, two_object 1 of 2)" in header, header
+def test_eval_header_states_what_was_sampled(tmp_path):
+    """The shipped model on ShapesEval, cut to 3 images: spread over the families (each family's
+    first), and the header says so, not 96 per family."""
+    done = diffalign("eval", "--num-prompts", "3", "--steps", "1", "--images-per-family", "2", "--mixed-precision", "no",
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    header = done.stdout.splitlines()[0]
+    assert "3 images, each family's first (single_object 1 of 2, two_object 1 of 2, counting 1 of 2)" in header, header
     assert "base = shapes" in header and "96" not in header
+
+
+def test_num_prompts_takes_each_familys_first_images_in_turn():
+    from diffalign.evaluation import describe_families, shapes_eval_list
+    from diffalign.shapes import evaluation_prompts, prompt_set
+
+    prompts = prompt_set("heldout")
+    whole = evaluation_prompts(prompts, 96)
+    taken = shapes_eval_list(prompts, 96, 16)
+    assert describe_families(taken, 96) == ("single_object 3 of 96, two_object 3 of 96, counting 3 of 96, colors 3 of 96, "
+                                            "position 2 of 96, color_attr 2 of 96")
+    rest = iter(whole)
+    assert all(p in rest for p in taken)  # a subsequence of the whole list, in its order
+    assert taken[:3] == whole[:3]  # each family's first images
+    assert shapes_eval_list(prompts, 96, 0) == whole and shapes_eval_list(prompts, 2, 100) == evaluation_prompts(prompts, 2)
 
 
 @pytest.mark.parametrize("override, key, hint", [

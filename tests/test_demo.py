@@ -113,6 +113,32 @@ def test_generation_through_gradio_client(served_app):
     assert [row[0] for row in rewards["data"]] == REWARDS[:1]
 
 
+def test_a_prompt_outside_the_shapes_grammar_is_one_warning_and_pass_fail_is_labelled(monkeypatch):
+    """ShapesEval and ShapesSoft refuse the prompt with the same message: one warning names both;
+    ShapesEval's pass / fail row says what 0 and 1 mean."""
+    gr = pytest.importorskip("gradio", reason=NEEDS_GRADIO)
+    pytest.importorskip("gradio_client", reason="pip install gradio_client")
+    from gradio_client import Client
+
+    from diffalign.adapters import load_adapter
+
+    warned = []
+    monkeypatch.setattr(gr, "Warning", lambda message, *a, **k: warned.append(message))
+    rewards = ["shapes_eval", "shapes_soft"]
+    app = load_app_module().build_app(load_adapter("tiny:shapes"), load_adapter("tiny:shapes"), rewards, num_steps=1)
+    _, url, _ = app.queue().launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(url, verbose=False)
+        _, table, _, _ = client.predict("a photo of a purple cat", 1, 1, 4.0, rewards, api_name="/generate")
+        assert table["data"] == [] and len(warned) == 1, warned
+        assert warned[0].startswith("shapes_eval, shapes_soft: unknown word 'cat'"), warned
+        _, table, _, _ = client.predict("a photo of a red circle", 1, 1, 4.0, rewards, api_name="/generate")
+        assert [row[0] for row in table["data"]] == ["shapes_eval (1 = pass, 0 = fail)", "shapes_soft"]
+        assert len(warned) == 1
+    finally:
+        app.close()
+
+
 def test_demo_command_binds_localhost_and_uses_the_run(run, monkeypatch):
     gr = pytest.importorskip("gradio", reason=NEEDS_GRADIO)
     seen = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(damage, tmp_path, 
     ref = reference("flow_grpo", tmp_path_factory)
     out = tmp_path / "run"
     assert run_cli(*args_for("flow_grpo", out), "max_iterations=2") == 0
+    shutil.rmtree(out / "final")  # stopped after its last checkpoint, before final/ (a finished run is left as it is)
     latest = runs.latest_checkpoint(out)
     tensors = latest / "tensors.safetensors"
     if damage == "truncate":

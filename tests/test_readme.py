@@ -52,3 +52,23 @@ def test_readme_paths_and_recipes_exist():
                 assert any(c.exists() for c in candidates), f"README names {name!r} (in `{span}`), which does not exist"
                 checked += 1
     assert checked >= 20  # the parser found the README's paths (it cannot pass on an empty match)
+
+
+def test_hub_commands_in_the_docs_exist_in_the_installed_hub_client():
+    """Every ``hf ...`` command the README and docs show parses in the huggingface_hub the setup
+    installs (run as a user would, with --help); its retired ``huggingface-cli`` is named nowhere."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hf = Path(sys.executable).parent / "hf"
+    docs = [README, ROOT / "SECURITY.md", *sorted((ROOT / "docs").glob("*.md"))]
+    commands = set()
+    for doc in docs:
+        text = doc.read_text()
+        assert "huggingface-cli" not in text, f"{doc.name} names huggingface-cli; the command is hf"
+        commands |= set(re.findall(r"(?:^|[`(\s])hf ((?:auth|repo|cache) [a-z-]+|[a-z-]+)", text, re.M))
+    assert {"auth login", "download"} <= commands  # the parser found them
+    for command in sorted(commands):
+        done = subprocess.run([str(hf), *command.split(), "--help"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"`hf {command}` is not a command of the installed huggingface_hub: {done.stderr[-500:]}"

@@ -151,13 +151,14 @@ def test_drift_is_flagged_when_the_last_window_falls_outside_noise(tmp_path):
     # mean 0.8 (the first one wins the tie), the last 0.6
     values = [0.8 + (0.01 if i % 2 else -0.01) for i in range(24)] + [0.6 + (0.01 if i % 2 else -0.01) for i in range(8)]
     drift = reward_drift(train_log(values))
-    assert (drift.window, drift.best, drift.last) == (8, (0, 7), (24, 31)) and drift.flagged
+    # numbered as the log's `iteration k/N` lines and the evaluations: the first iteration is 1
+    assert (drift.window, drift.best, drift.last) == (8, (1, 8), (25, 32)) and drift.flagged
     assert drift.best_mean == pytest.approx(0.8) and drift.last_mean == pytest.approx(0.6)
     assert drift.difference.value == pytest.approx(-0.2) and -0.22 <= drift.difference.lo < drift.difference.hi <= -0.18
     run = tmp_path / "run"
     lines = write_run(run, train_log(values))
-    assert lines[4].startswith("**Training reward drift:** the mean training reward of the last 8 iterations (24-31) is "
-                               "0.600, below the best 8 (0-7) at 0.800: -0.200 [-0.")
+    assert lines[4].startswith("**Training reward drift:** the mean training reward of the last 8 iterations (25-32) is "
+                               "0.600, below the best 8 (1-8) at 0.800: -0.200 [-0.")
     assert lines[4].endswith("the held-out evaluation, not the training reward, is the measure.")
 
 
@@ -229,6 +230,23 @@ def test_curve_with_three_evaluations_draws_a_band_and_markers():
     assert any(isinstance(c, PolyCollection) for c in ax.collections) and not ax.containers
     (line,) = ax.get_lines()
     assert line.get_marker() == "o" and list(line.get_xdata()) == [0, 2, 4]
+    plt.close(fig)
+
+
+def test_both_panels_count_iterations_alike_with_integer_ticks():
+    """Training record ``iteration`` 0 (logged as `iteration 1/2`) is plotted at 1; evaluations at 0
+    (before training) and 2 (after two iterations); one shared axis with whole-number ticks."""
+    import matplotlib.pyplot as plt
+
+    fig = curve_figure(train_log([0.1, 0.2]), accuracy_evals([0, 2]))
+    train_ax, eval_ax = fig.axes
+    assert list(train_ax.get_lines()[0].get_xdata()) == [1, 2]
+    assert list(eval_ax.containers[0].lines[0].get_xdata()) == [0, 2]
+    assert train_ax.get_xlim() == eval_ax.get_xlim()
+    fig.canvas.draw()
+    for ax in (train_ax, eval_ax):
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
     plt.close(fig)
 
 

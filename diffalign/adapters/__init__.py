@@ -111,13 +111,50 @@ def _family_from_index(index_file: Path | str, where: str) -> str:
     return PIPELINE_FAMILIES[class_name]
 
 
-def _family_from_hub(model_id: str, kwargs: dict) -> str:
-    try:
-        from huggingface_hub import hf_hub_download
+HUB_PROBE_TIMEOUT_S = 3.0  # seconds to open a connection to the Hub before calling it unreachable
 
-        hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
-        index_file = hf_hub_download(repo_id=model_id, filename="model_index.json", **hub_kwargs)
-    except Exception as e:  # offline, unknown repo, gated repo, invalid id: all one user-facing error
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be asked now (offline mode, or no connection to its host within
+    :data:`HUB_PROBE_TIMEOUT_S`), or None when it can. huggingface_hub itself retries an unreachable
+    host five times over about 25 s, printing each retry; this answers in at most a few seconds.
+    Behind a proxy (``HTTPS_PROXY``...) the host is not probed: the proxy decides."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urlsplit(constants.ENDPOINT)
+    if url.scheme in urllib.request.getproxies() or "all" in urllib.request.getproxies():
+        return None
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=HUB_PROBE_TIMEOUT_S):
+            return None
+    except OSError as e:
+        return f"{url.hostname} cannot be reached: {e.strerror or type(e).__name__}"
+
+
+def _family_from_hub(model_id: str, kwargs: dict) -> str:
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+    cached = try_to_load_from_cache(model_id, "model_index.json", cache_dir=kwargs.get("cache_dir"),
+                                    revision=kwargs.get("revision"))
+    unreachable = None if isinstance(cached, str) or hub_kwargs.get("local_files_only") else _hub_unreachable()
+    if unreachable is not None:  # neither a folder, a shipped or tiny: name, nor in the cache: say so at once
+        raise ModelLoadError(
+            f"model {model_id!r} is not a folder, a shipped model ({', '.join(DEFAULT_ALIASES)}) or a "
+            f"{TINY_PREFIX}FAMILY build{close_match(model_id, [*DEFAULT_ALIASES, *(TINY_PREFIX + f for f in FAMILIES)])}, "
+            f"and as a Hub id it cannot be looked up ({unreachable}) nor is it in the local Hub cache"
+        )
+    try:
+        index_file = cached if isinstance(cached, str) else hf_hub_download(repo_id=model_id, filename="model_index.json",
+                                                                           **hub_kwargs)
+    except Exception as e:  # unknown repo, gated repo, invalid id: all one user-facing error
         raise ModelLoadError(
             f"cannot read model_index.json of hub model {model_id!r} ({type(e).__name__}: {_first_line(e)}); "
             f"check the id or pass family=...; {_known()}"
@@ -131,8 +168,11 @@ def _first_line(e: BaseException) -> str:
 
 
 def _from_pretrained(cls: type[ModelAdapter], source: str, model_id: str, device, dtype, kwargs) -> ModelAdapter:
+    from diffalign import progress
+
     try:
-        return cls.from_pretrained(source, device=device, dtype=dtype, **kwargs)
+        with progress.library_bars_off():  # the command shows its own bar or line for the load
+            return cls.from_pretrained(source, device=device, dtype=dtype, **kwargs)
     except DiffalignError:
         raise
     except Exception as e:  # missing files, wrong layout, offline hub, bad kwargs

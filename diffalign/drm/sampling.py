@@ -27,7 +27,8 @@ from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.drm.model import check_compatible
 from diffalign.errors import ConfigError, DiffalignError
 from diffalign.export import load_trained_adapter
-from diffalign.images import image_grid, save_png
+from diffalign import progress
+from diffalign.images import labelled_grid, save_png, short_prompt
 from diffalign.sampling import Kernel, build_kernel, draw_noise
 from diffalign.shapes.world import PromptError, parse_prompt
 
@@ -139,6 +140,23 @@ def load_model(model: str, device: str = "cpu") -> ModelAdapter:
 
 
 SAMPLE_FILES = ("grid.png", "samples.json")
+GRID_IMAGES = 64  # images shown in grid.png (samples.json lists every one)
+GRID_ROW = 8  # images per row of grid.png
+GRID_TILE_PX = (128, 256)  # each image is shown at its own size within these bounds (32 px ShapesWorld: 4x, nearest)
+
+
+def save_grid(images: torch.Tensor, prompts: Sequence[str], rewards: Sequence[float | None], path: Path, *,
+              pass_fail: bool = False) -> None:
+    """``grid.png``: the first :data:`GRID_IMAGES` images, row by row in the order of ``samples.json``,
+    each labelled with its prompt and its reward when one was scored (``pass_fail``: a pass / fail
+    reward such as ShapesEval, drawn as the green pass or red fail mark of the evaluation grids)."""
+    n = min(len(images), GRID_IMAGES)
+    prompts, rewards = list(prompts[:n]), list(rewards[:n])
+    marks = [None if r is None else r >= 1 for r in rewards] if pass_fail else None
+    labels = [short_prompt(p) if r is None or pass_fail else f"reward {r:.3f}: {short_prompt(p)}"
+              for p, r in zip(prompts, rewards)]
+    tile = min(max(images.shape[-1], GRID_TILE_PX[0]), GRID_TILE_PX[1])
+    save_png(labelled_grid(images[:n].float(), labels, marks, nrow=min(GRID_ROW, n), tile=tile), path)
 
 
 def check_sample_out(out: Path) -> None:
@@ -178,8 +196,8 @@ def run_sample(
     prompts: list[str],
     out_dir: str,
     steps: int = 20,
-    guidance_scale: float = 4.5,
-    seed: int = 0,
+    guidance_scale: float = 4.0,
+    seed: int = 1234,
     resolution: int = 0,
     drm_path: Optional[str] = None,
     branches: int = 1,
@@ -201,7 +219,9 @@ def run_sample(
     if not prompts:
         raise DiffalignError("no prompts to sample")
     drm = reward_models.build("drm", path=drm_path, device=device) if drm_path else None  # bad folders fail before any model loads
-    adapter = load_model(model, device)
+    # a terminal-only bar that clears itself, so that a bad model id still ends in one line
+    with progress.bar(desc=f"loading {model}", unit="", disable=not progress.interactive()):
+        adapter = load_model(model, device)
     if adapter.family == "shapes":
         check_shapes_prompts(prompts, scored=reward == "shapes_eval", log=log)
     res = resolution or adapter.default_resolution
@@ -229,8 +249,7 @@ def run_sample(
     images_t = torch.cat(images)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_png(image_grid(images_t[:64], nrow=8), out / "grid.png", scale=max(1, 256 // res))
-    summary = {"model": model, "method": f"stepwise k={branches}" if stepwise else "plain ODE", "steps": steps, "seed": seed,
+    summary = {"model": model, "method": f"stepwise k={branches}" if stepwise else "plain ODE", "steps": steps, "guidance_scale": guidance_scale, "seed": seed,
                "images": len(prompts), "seconds": seconds, "drm": drm_path}
     per_image = [{"prompt": p} for p in prompts]
     if reward:
@@ -241,6 +260,7 @@ def run_sample(
         summary.update({f"reward/{k}": float(v) for k, v in (getattr(fn, "last_info", None) or {}).items()})
         for row, s in zip(per_image, scores.tolist()):
             row["reward"] = s
+    save_grid(images_t, prompts, [row.get("reward") for row in per_image], out / "grid.png", pass_fail=reward == "shapes_eval")
     (out / "samples.json").write_text(json.dumps({"summary": summary, "images": per_image}, indent=2))
     log(f"{summary['method']}: {len(prompts)} images in {seconds:.1f} s -> {out / 'grid.png'}")
     return summary

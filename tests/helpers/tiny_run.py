@@ -49,3 +49,38 @@ def trained_run(tmp_path_factory) -> Path:
         assert rc == 0, f"training the tiny run failed with exit code {rc}"
         _cache["run"] = out
     return _cache["run"]
+
+
+# ---- diffalign as a user runs it: a subprocess from a folder of their own ------------------------
+# the main job (configs/shapes/flow_grpo.yaml) made quick: 2 iterations of 4 images, 2 denoising steps,
+# 2 held-out images per family; the same files and output layout as the real run
+QUICK_SHAPES = ["max_iterations=2", "rollout.prompts_per_iteration=2", "rollout.group_size=2", "sampling.num_steps=2",
+                "sampling.window_size=2", "sampling.eval_num_steps=2", "eval.images_per_family=2", "train.batch_size=4"]
+
+
+def user_env() -> dict:
+    """The environment of a ``diffalign`` subprocess: this checkout's package, one thread, offline."""
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def diffalign(*args, cwd, timeout: int = 300, env: dict | None = None):
+    """``diffalign ARGS`` in a subprocess started in ``cwd``; the CompletedProcess (text output)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "diffalign.cli", *map(str, args)], cwd=cwd, env=env or user_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def shapes_run(tmp_path_factory) -> Path:
+    """A user's folder holding ``runs/shapes_flow_grpo``: the main job's recipe trained by ``diffalign
+    train shapes/flow_grpo`` with :data:`QUICK_SHAPES`, once per pytest process, and what the command
+    printed (``train.stdout``, ``train.stderr``). Tests only read it."""
+    if "shapes" not in _cache:
+        home = tmp_path_factory.mktemp("user")
+        done = diffalign("train", "shapes/flow_grpo", *QUICK_SHAPES, cwd=home, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (home / "train.stdout").write_text(done.stdout)  # what the user saw, for the tests that read it
+        (home / "train.stderr").write_text(done.stderr)
+        _cache["shapes"] = home
+    return _cache["shapes"]
