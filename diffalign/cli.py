@@ -383,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push-to-hub", metavar="USER/REPO", default=None, help="upload the folder (needs HF_TOKEN)")
     p.add_argument("--private", action="store_true", help="create the Hub repo private (the default)")
     p.add_argument("--public", action="store_true", help="create the Hub repo public (default: private)")
-    p.add_argument("--license", default=None, help="model card license (default: apache-2.0 for diffalign's own models, else other)")
+    p.add_argument("--license", default=None, help="model card license (default: diffalign's own, apache-2.0, for the models diffalign makes: "
+                        "shapes, tiny:*; else other: the base model's license applies)")
     p.set_defaults(fn=_cmd_export)
 
     p = sub.add_parser("demo", help="Gradio app: base vs aligned images, rewards and x0 previews for one prompt")

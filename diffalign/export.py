@@ -347,8 +347,9 @@ def export_run(
             earlier export or empty.
         repo_id: the Hub repo the folder is meant for; the card's loading snippet names it
             (otherwise ``"."``, the folder itself: exported files name no local path).
-        license: the card's license (default: ``apache-2.0`` for diffalign's own models, else
-            ``other``: a model derived from a base model inherits its license).
+        license: the card's license (default: diffalign's own, :func:`diffalign.hub.own_license`,
+            for the models diffalign makes (the shipped ``shapes``, ``tiny:*``), else ``other``: a
+            model derived from a base model inherits its license).
     Also written: ``README.md`` (model card, see :func:`diffalign.hub.model_card`),
     ``images/widget.png`` (one prompt drawn by the base and the trained model from the same noise:
     :func:`widget_pair`), ``images/`` before / after eval grids, ``diffalign.json``, and

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from diffalign import __license__
 from diffalign.adapters import DEFAULT_ALIASES, PIPELINE_FAMILIES, TINY_PREFIX
 from diffalign.config import SamplingConfig
 from diffalign.errors import DiffalignError
@@ -160,6 +161,13 @@ def _license_fields(license: str, base: str, hub_base: Optional[str]) -> dict:
             "license_link": f"https://huggingface.co/{hub_base}" if hub_base else LICENSE_FILE}
 
 
+def own_license() -> str:
+    """The Hub's id of diffalign's own licence (``apache-2.0``: pyproject.toml's ``license``, the
+    LICENSE file), which covers the models diffalign makes: the shipped ``shapes`` model's weights and
+    the ``tiny:*`` builds. The Hub's ids are the SPDX ids in lower case."""
+    return __license__.lower()
+
+
 def license_file_text(base: str) -> str:
     """:data:`LICENSE_FILE` of an export whose base has no Hub page to link."""
     return (f"These weights were trained with diffalign from the base model `{Path(base).name}`, which has no "
@@ -175,6 +183,17 @@ def _base_model_note(base: str, family: Optional[str], hub_base: Optional[str]) 
     made = ("a local folder" if not _is_own_model(base) else "a tiny model built in code by diffalign"
             if base.startswith(TINY_PREFIX) else "the model shipped in the diffalign package")
     return f" (no `base_model` in the metadata: the Hub accepts only a Hub model id there, and this base is {made})"
+
+
+def _license_text(license: str, base: str) -> str:
+    """The card's licence paragraph: which licence applies to the weights, and why."""
+    if not _is_own_model(base):
+        return f"`{license}`. These weights derive from `{base}`: its license applies."
+    if license != own_license():  # --license chose another one
+        return f"`{license}`."
+    made = "random weights built in code by diffalign" if base.startswith(TINY_PREFIX) else "shipped in the diffalign package"
+    return (f"`{license}`: the base model `{base}` ({made}) is under diffalign's license, "
+            f"{__license__} (the LICENSE file of diffalign's repository and wheel), and so are these weights.")
 
 
 def _weights_held(meta: dict) -> str:
@@ -208,7 +227,7 @@ def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: 
 
     base, algorithm, reward, family = str(meta["base_model"]), meta.get("algorithm"), meta.get("reward"), meta.get("family")
     hub_base = _hub_base_model(base)
-    license = license or ("apache-2.0" if _is_own_model(base) else "other")
+    license = license or (own_license() if _is_own_model(base) else "other")
     tags = ["diffalign", algorithm, family, "text-to-image", "diffusers"] + (["lora"] if fmt == "lora" else [])
     tags = [t for i, t in enumerate(tags) if t and t not in tags[:i]]
     flat = _flatten(config)
@@ -256,7 +275,7 @@ def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: 
               + f", {_weights_held(meta)}",
               "", "| hyperparameter | value |", "|---|---|"] + [f"| `{k}` | `{v}` |" for k, v in hparams.items()] + [""]
     lines += ["## License", "",
-              f"`{license}`." + ("" if _is_own_model(base) else f" These weights derive from `{base}`: its license applies."), ""]
+              _license_text(license, base), ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
 

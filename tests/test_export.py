@@ -345,6 +345,8 @@ def test_card_license_other_names_the_license_and_shapes_widgets_use_the_grammar
     prompt = shapes.data.to_dict()["widget"][0]["text"]
     assert parse_prompt(prompt).family == "position"  # in the world's grammar, not "a photo of a cat"
     assert "base_model" not in shapes.data.to_dict() and shapes.data.to_dict()["license"] == "apache-2.0"
+    # the shipped model is under diffalign's license (pyproject.toml, LICENSE), which the card names
+    assert "`apache-2.0`: the base model `shapes` (shipped in the diffalign package) is under diffalign's license, Apache-2.0" in shapes.text
 
 
 def test_license_other_without_a_hub_base_links_a_license_file_of_the_export(run, tmp_path):

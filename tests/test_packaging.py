@@ -184,20 +184,59 @@ def _in_wheel(path: Path) -> str:
     return rel
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """A wheel built from a copy of the tree (the build's own folders stay out of the checkout)."""
-    tmp = tmp_path_factory.mktemp("wheel")
+def build_wheel(tmp: Path) -> tuple[Path, str]:
+    """A wheel built from a copy of the tree (the build's own folders stay out of the checkout) by
+    setuptools' build backend, as ``pip wheel --no-build-isolation`` calls it, with every Python
+    warning shown; returns the wheel and the build's output."""
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     for name in _source_dirs():
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns(*SKIP))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp)],
-                   cwd=src, check=True, capture_output=True, env=dict(os.environ, PIP_NO_INDEX="1"))
+    build = f"from setuptools import build_meta; build_meta.build_wheel({str(tmp)!r})"
+    result = subprocess.run([sys.executable, "-W", "always", "-c", build], cwd=src, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
     (built,) = tmp.glob("diffalign-*.whl")
-    return built
+    return built, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel_build(tmp_path_factory) -> tuple[Path, str]:
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def wheel(wheel_build) -> Path:
+    return wheel_build[0]
+
+
+def test_the_wheel_ships_the_license_and_the_build_does_not_warn(wheel_build):
+    """pyproject.toml's license is an SPDX expression with its file (PEP 639): the wheel's metadata
+    names it, the wheel holds LICENSE, and setuptools warns about nothing (a ``license = {text}``
+    table drew three deprecation warnings per build)."""
+    import setuptools
+
+    import diffalign
+
+    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads pyproject.toml")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == diffalign.__license__ == "Apache-2.0"
+    assert pyproject["project"]["license-files"] == ["LICENSE"]
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    (needed,) = [r for r in pyproject["build-system"]["requires"] if r.startswith("setuptools")]
+    minimum = tuple(int(x) for x in needed.split(">=")[1].split("."))
+    assert minimum >= (77,)  # the first setuptools that reads license-files and an SPDX license
+    assert tuple(int(x) for x in setuptools.__version__.split(".")[:len(minimum)]) >= minimum  # this build's own
+
+    wheel, log = wheel_build
+    archive = zipfile.ZipFile(wheel)
+    assert archive.read("diffalign-0.1.0.dist-info/licenses/LICENSE").decode() == license_text
+    metadata = archive.read("diffalign-0.1.0.dist-info/METADATA").decode().split("\n\n", 1)[0].splitlines()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    warnings = [line for line in log.splitlines() if "Warning:" in line]  # Python's "Category: message"
+    assert not warnings, warnings
 
 
 def test_the_wheel_holds_every_config_demo_and_module_file(wheel):
