@@ -2,11 +2,12 @@
 
 - :func:`save_trained_weights`: a run's ``final/`` (written by the trainer);
 - :func:`load_trained_adapter`: base model + ``final/`` back as an adapter;
-- :func:`export_run`: ``diffalign export``: a self-contained folder for the Hub, either the
-  LoRA (``pipe.load_lora_weights(folder)``) or the LoRA fused into the base and the whole
-  pipeline saved (``DiffusionPipeline.from_pretrained(folder)``), with a model card, a before /
-  after pair of one prompt (the card's widget) and the before / after evaluation grids. Uploading
-  it is :mod:`diffalign.hub`.
+- :func:`export_run`: ``diffalign export``: a self-contained folder for the Hub in the format of
+  what was trained (:func:`default_format`): a LoRA run's LoRA (``pipe.load_lora_weights(folder)``),
+  or the whole pipeline with the trained weights (``DiffusionPipeline.from_pretrained(folder)``):
+  a fully fine-tuned run's as trained, or a LoRA run's LoRA fused into the base on request
+  (``merged``), with a model card, a before / after pair of one prompt (the card's widget) and the
+  before / after evaluation grids. Uploading it is :mod:`diffalign.hub`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from diffalign.report import evaluation_summary
 from diffalign.runs import METADATA_FILE, eval_records_path, read_final_metadata
 from diffalign.sampling import sample_images
 
+# lora: the LoRA file alone, loaded onto the base model (LoRA runs only); merged: the whole pipeline
+# with the trained weights (a LoRA run's LoRA fused into the base, a full fine-tune's weights as trained)
 EXPORT_FORMATS = ("lora", "merged")
 LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 WIDGET_FILE = "images/widget.png"  # the card's widget image: one prompt, base | trained, same noise
@@ -325,9 +328,15 @@ def paired_reward_differences(run_dir: Path, evals: list[dict]) -> dict:
     return {"eval/reward_mean": diff["partial"]}
 
 
+def default_format(run_dir: str | os.PathLike) -> str:
+    """The export format of what the run trained: ``lora`` for a LoRA run (the adapter alone, a
+    few MB), ``merged`` for a fully fine-tuned one (its whole pipeline: there is no LoRA)."""
+    return "lora" if read_final_metadata(Path(run_dir)).get("format") == "lora" else "merged"
+
+
 def export_run(
     run_dir: str | os.PathLike,
-    fmt: str = "lora",
+    fmt: str | None = None,
     out: str | os.PathLike | None = None,
     *,
     repo_id: str | None = None,
@@ -339,9 +348,11 @@ def export_run(
     Args:
         run_dir: a run directory with ``final/`` (see :mod:`diffalign.runs`).
         fmt: ``"lora"``: ``pytorch_lora_weights.safetensors`` (copied from ``final/``), loaded
-            with ``pipe.load_lora_weights(folder)``; ``"merged"``: the LoRA fused into the base
-            weights and the whole pipeline saved, loaded with ``DiffusionPipeline.from_pretrained``
-            (a fully fine-tuned run is saved as is).
+            with ``pipe.load_lora_weights(folder)``, for LoRA runs only; ``"merged"``: the whole
+            pipeline with the trained weights (a LoRA run's LoRA fused into the base weights, a
+            fully fine-tuned run's weights as trained), loaded with
+            ``DiffusionPipeline.from_pretrained``. Default (None): :func:`default_format`, the
+            format of what was trained.
         out: the folder to write (default ``RUN_DIR/export/<fmt>``). It is written next to its
             final place and renamed into it; an existing folder is replaced only when it is an
             earlier export or empty.
@@ -361,11 +372,13 @@ def export_run(
 
     log = log or (lambda msg: None)
     run_dir = Path(run_dir)
-    if fmt not in EXPORT_FORMATS:
+    if fmt is not None and fmt not in EXPORT_FORMATS:
         raise RunDirError(f"unknown export format {fmt!r}; use one of {', '.join(EXPORT_FORMATS)}")
     meta = read_final_metadata(run_dir)
+    fmt = fmt or default_format(run_dir)
     if fmt == "lora" and meta.get("format") != "lora":
-        raise RunDirError(f"run {str(run_dir)!r} fine-tuned all weights (no LoRA); export it with --format merged")
+        raise RunDirError(f"run {str(run_dir)!r} fine-tuned all weights and has no LoRA to export; "
+                          f"export it without --format (or with --format merged): the whole pipeline")
     out = Path(out) if out is not None else run_dir / "export" / fmt
     _check_out_dir(out, run_dir)
     config = portable(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})

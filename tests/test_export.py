@@ -3,6 +3,9 @@ the Hub upload operations, safe output folders, and one-line errors for pushes t
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -375,3 +378,65 @@ def test_card_of_a_local_base_has_valid_front_matter_and_no_path():
     assert front["license_name"] == "my-sd3-license" and front["license_link"] == "LICENSE"
     assert front["widget"] == [{"text": "a photo of a cat"}]  # no prompt known, no image: text only
     assert "/home/someone" not in str(card) and "a local folder" in str(card)
+
+
+# ---- the format of what was trained --------------------------------------------------------------
+# a full fine-tune (the main job's recipe) of the tiny ShapesWorld model, one iteration
+FULL_RUN = ["shapes/flow_grpo", "model.id=tiny:shapes", "max_iterations=1", "rollout.prompts_per_iteration=2",
+            "rollout.group_size=2", "rollout.sample_batch_size=4", "train.batch_size=4", "sampling.num_steps=2",
+            "sampling.eval_num_steps=2", "sampling.window_size=0", "eval.images_per_family=1", "eval.probe=false",
+            "log.report=false", "log.progress_bar=false", "optim.lr=1e-2"]
+
+
+def diffalign_cli(*args, cwd=ROOT, timeout=600) -> subprocess.CompletedProcess:
+    """``python -m diffalign.cli ARGS`` in a subprocess, as a user runs it (this checkout's code)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "diffalign.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "full_run"
+    result = diffalign_cli("train", *FULL_RUN, f"output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "final" / "diffalign.json").read_text())["format"] == "full"
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_export(full_run):
+    """``diffalign export RUN`` with no options, on the full fine-tune."""
+    result = diffalign_cli("export", full_run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == f"exported merged weights to {full_run / 'export' / 'merged'}"
+    return full_run / "export" / "merged"
+
+
+def test_export_without_format_follows_what_was_trained(full_export, run, tmp_path):
+    """A full fine-tune exports its whole pipeline, a LoRA run its LoRA; --format lora on a full
+    fine-tune is one error line that says what to do."""
+    assert (full_export / "model_index.json").is_file() and not list(full_export.glob("*lora*"))
+    assert json.loads((full_export / "diffalign.json").read_text())["format"] == "merged"
+
+    lora_run = tmp_path / "lora_run"  # a copy: the shared run directory stays as it is
+    shutil.copytree(run, lora_run, ignore=shutil.ignore_patterns("export", "checkpoints"))
+    result = diffalign_cli("export", lora_run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == f"exported lora weights to {lora_run / 'export' / 'lora'}"
+    assert (lora_run / "export" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+    result = diffalign_cli("export", full_export.parents[1], "--format", "lora", "--out", tmp_path / "never")
+    assert result.returncode == 2 and not (tmp_path / "never").exists()
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "has no LoRA to export" in line and "without --format" in line, line
+
+
+def test_export_help_says_what_each_format_holds_and_the_default():
+    result = diffalign_cli("export", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "lora: the LoRA weights alone" in text and "(LoRA runs only)" in text
+    assert "merged: the whole pipeline with the trained weights" in text and "a full fine-tune's weights as trained" in text
+    assert "Default: what the run trained, lora for a LoRA run, merged for a full fine-tune" in text
+    assert "LoRA fused, DiffusionPipeline" not in text  # what it said before: true of LoRA runs only
