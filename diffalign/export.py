@@ -266,7 +266,7 @@ def _eval_prompts(run_dir: Path) -> list[str]:
 def widget_pair(adapter: ModelAdapter, meta: dict, config: dict, prompt: str, out: Path) -> dict:
     """Draw ``prompt`` with the base model and with the trained one (``adapter``, loaded from
     ``final/``) from the same noise, and write the two side by side to ``out``: the card's widget
-    image. Returns what the card says about it (prompt, seed, num_steps, guidance_scale).
+    image. Returns what the card says about it (prompt, seed, num_steps, guidance_scale, resolution).
 
     The sampler, steps, guidance scale, resolution and seed are the run's evaluation settings
     (:func:`diffalign.sampling.sample_images`: ODE, ``eval.seed``). The base is the same network
@@ -299,7 +299,7 @@ def widget_pair(adapter: ModelAdapter, meta: dict, config: dict, prompt: str, ou
                          nrow=2, tile=WIDGET_TILE_PX)
     save_png(grid, out)
     return {"prompt": prompt, "seed": settings["seed"], "num_steps": settings["num_steps"],
-            "guidance_scale": settings["guidance_scale"]}
+            "guidance_scale": settings["guidance_scale"], "resolution": settings["resolution"]}
 
 
 def paired_reward_differences(run_dir: Path, evals: list[dict]) -> dict:
@@ -416,6 +416,8 @@ def export_run(
                 adapter.pipeline.save_pretrained(str(tmp), safe_serialization=True)
                 scrub_local_paths(tmp, str(meta["base_model"]))
                 pipeline_class = type(adapter.pipeline)
+                if not hub.is_diffusers_pipeline(pipeline_class):
+                    write_pipeline_code(pipeline_class, tmp)
                 bar.update(1)
         del adapter
         grids = eval_grids(run_dir, evals)
@@ -444,6 +446,27 @@ def export_run(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def write_pipeline_code(pipeline_class: type, folder: Path) -> None:
+    """Make ``folder`` (a saved pipeline of a class diffusers does not have, e.g. ``ShapesPipeline``)
+    load with diffusers alone: the class's module as :data:`diffalign.hub.PIPELINE_CODE_FILE` and
+    the files it imports relatively, and ``model_index.json``'s ``_class_name`` as ``[file, class]``,
+    diffusers' layout for a pipeline whose code is in the folder; then
+    ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)`` loads it, from the Hub
+    too. The module must import only installed libraries and its neighbours (relatively)."""
+    import inspect
+
+    from diffusers.utils.dynamic_modules_utils import get_relative_import_files
+
+    source = Path(inspect.getsourcefile(pipeline_class))
+    shutil.copyfile(_regular_file(source), folder / hub.PIPELINE_CODE_FILE)
+    for needed in get_relative_import_files(str(source)):  # what diffusers copies beside it when loading
+        shutil.copyfile(_regular_file(Path(needed)), folder / Path(needed).name)
+    index_file = folder / "model_index.json"
+    index = json.loads(index_file.read_text())
+    index["_class_name"] = [Path(hub.PIPELINE_CODE_FILE).stem, pipeline_class.__name__]
+    index_file.write_text(json.dumps(index, indent=2) + "\n")
 
 
 def fuse_lora(adapter: ModelAdapter) -> None:

@@ -273,3 +273,56 @@ def test_the_unpacked_wheel_alone_serves_recipes_and_the_demo(wheel, tmp_path):
     assert Path(out["demo"]) == site / "diffalign" / "_demo" / "app.py"
     assert "shapes/flow_grpo " in result.stdout and "algorithm:\n  name: flow_grpo" in result.stdout
     assert "--share" in result.stdout and "usage: diffalign demo" in result.stdout
+
+
+@pytest.mark.slow
+def test_from_the_wheel_the_main_job_exports_a_model_diffusers_loads(wheel, tmp_path):
+    """From the unpacked wheel alone, outside the checkout, as a user runs it: two iterations of the
+    main job (``shapes/flow_grpo``, a full fine-tune of the shipped model, with a small rollout and
+    evaluation), ``diffalign export RUN`` with no options, and the model card's own loading code in a
+    Python without diffalign: it draws an image. The card's metadata survives the Hub's round trip
+    and names the license of the LICENSE file."""
+    import yaml
+    from huggingface_hub import ModelCard, ModelCardData
+
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+    def diffalign(*args):
+        result = subprocess.run([sys.executable, "-m", "diffalign.cli", *args], cwd=away, env=env,
+                                capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    small = ["max_iterations=2", "rollout.prompts_per_iteration=2", "rollout.group_size=2", "train.batch_size=4",
+             "eval.images_per_family=1", "eval.probe=false", "log.progress_bar=false"]
+    diffalign("train", "shapes/flow_grpo", "output_dir=run", *small)
+    out = diffalign("export", "run")
+    folder = away / "run" / "export" / "merged"
+    assert out.strip().splitlines()[-1] == f"exported merged weights to {Path('run') / 'export' / 'merged'}"
+    assert (folder / "pipeline.py").read_bytes() == (site / "diffalign" / "shapes" / "pipeline.py").read_bytes()
+
+    text = (folder / "README.md").read_text()
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert ModelCardData(**front).to_dict() == front and ModelCard.load(folder / "README.md").data.to_dict() == front
+    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads pyproject.toml")
+    license_id = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
+    assert front["license"] == license_id.lower() == "apache-2.0" and front["library_name"] == "diffusers"
+    assert "Apache License" in (site / "diffalign-0.1.0.dist-info" / "licenses" / "LICENSE").read_text()
+    assert ("`shapes` (the ShapesWorld text-to-image model shipped in the diffalign package) with all of its "
+            "weights fine-tuned with **flow_grpo**") in text
+
+    code = text.split("```python\n", 1)[1].split("```", 1)[0].replace("num_inference_steps=20", "num_inference_steps=2")
+    assert "DiffusionPipeline.from_pretrained(\".\", trust_remote_code=True)" in code and "diffalign" not in code
+    plain = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    plain["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
+    script = "import sys; sys.modules['diffalign'] = None  # a diffusers user without diffalign\n" + code + \
+             "print('image', image.size)\n"
+    result = subprocess.run([sys.executable, "-c", script], cwd=folder, env=plain, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "image (32, 32)" in result.stdout
+    assert "might require the following packages" not in result.stderr  # the code in the folder imports no diffalign
