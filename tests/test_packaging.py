@@ -275,6 +275,32 @@ def test_the_unpacked_wheel_alone_serves_recipes_and_the_demo(wheel, tmp_path):
     assert "--share" in result.stdout and "usage: diffalign demo" in result.stdout
 
 
+def test_the_wheel_installs_three_top_level_packages_and_refuses_a_stand_in(wheel, tmp_path):
+    """diffalign, reward_models and schedulers (docs/architecture.md, "Packages": the last two are
+    public API under their own names). A folder ``schedulers/`` in the working folder, which
+    ``python -m`` puts first on sys.path, stops diffalign at import with a message naming it."""
+    archive = zipfile.ZipFile(wheel)
+    assert archive.read("diffalign-0.1.0.dist-info/top_level.txt").decode().split() == ["diffalign", "reward_models", "schedulers"]
+    assert {n.split("/")[0] for n in archive.namelist() if not n.startswith("diffalign-0.1.0")} == {
+        "diffalign", "reward_models", "schedulers"}
+    site = tmp_path / "site"
+    archive.extractall(site)
+    project = tmp_path / "project"  # another project whose learning-rate schedulers are a package "schedulers"
+    (project / "schedulers").mkdir(parents=True)
+    (project / "schedulers" / "__init__.py").write_text("")
+    env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "diffalign.cli", "list"], cwd=project, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "needs its own top-level package 'schedulers'" in last and str(project / "schedulers") in last, last
+    (project / "schedulers" / "__init__.py").unlink()
+    (project / "schedulers").rmdir()
+    result = subprocess.run([sys.executable, "-m", "diffalign.cli", "list"], cwd=project, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "rewards:" in result.stdout, result.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_from_the_wheel_the_main_job_exports_a_model_diffusers_loads(wheel, tmp_path):
     """From the unpacked wheel alone, outside the checkout, as a user runs it: two iterations of the
