@@ -541,3 +541,20 @@ def test_settings_in_effect_keep_what_was_on():
     config["train"]["ema"]["enabled"] = False
     rows = settings_in_effect(config, {"lora": None}, resolution=32)
     assert rows == {"model.resolution": 64, "algorithm.name": "flow_grpo", "algorithm.guard_step_reweight": True}
+
+
+def test_diffalign_loads_a_shapes_export_from_the_hub_with_its_own_class(full_export, tmp_path):
+    """A Hub repo of the export (here: in the Hub cache, read offline) loads with diffalign's
+    ShapesPipeline too: diffalign fetches the files and runs none of the repo's code (diffusers
+    itself would ask for trust_remote_code)."""
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--someone--shapes-export"
+    shutil.copytree(full_export, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    adapter = load_adapter("someone/shapes-export", family="shapes", cache_dir=str(tmp_path / "hub"), local_files_only=True)
+    assert type(adapter.pipeline) is ShapesPipeline
+    trained = load_trained_adapter(full_export.parents[1]).denoiser.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in adapter.denoiser.state_dict().items())
