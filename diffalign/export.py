@@ -363,8 +363,10 @@ def export_run(
             model derived from a base model inherits its license).
     Also written: ``README.md`` (model card, see :func:`diffalign.hub.model_card`),
     ``images/widget.png`` (one prompt drawn by the base and the trained model from the same noise:
-    :func:`widget_pair`), ``images/`` before / after eval grids, ``diffalign.json``, and
-    ``LICENSE`` when the card's ``license_link`` points at it. Prints one ``warning:`` line on
+    :func:`widget_pair`), ``images/`` before / after eval grids, ``diffalign.json``,
+    ``pipeline.py`` and its neighbours in a whole pipeline of a class diffusers lacks
+    (:func:`write_pipeline_code`), and ``LICENSE`` when the card's ``license_link`` points at it.
+    Prints one ``warning:`` line on
     stderr when the weights equal the base model's (:func:`unchanged_weights`).
     """
     import yaml
