@@ -309,16 +309,16 @@ def _cmd_list(args) -> int:
 
 def _cmd_export(args) -> int:
     from diffalign import hub, progress
-    from diffalign.export import export_run
+    from diffalign.export import default_format, export_run
 
     if (args.private or args.public) and not args.push_to_hub:
         raise DiffalignError(f"--{'public' if args.public else 'private'} only applies with --push-to-hub USER/REPO")
     if args.private and args.public:
         raise DiffalignError("--private and --public contradict each other")
     token = hub.check_push_target(args.push_to_hub) if args.push_to_hub else None  # fail before the work
-    out = export_run(args.run_dir, args.format, args.out, repo_id=args.push_to_hub, license=args.license,
-                     log=progress.phase)
-    print(f"exported {args.format} weights to {out}")
+    fmt = args.format or default_format(args.run_dir)  # what the run trained: lora, or the whole pipeline
+    out = export_run(args.run_dir, fmt, args.out, repo_id=args.push_to_hub, license=args.license, log=progress.phase)
+    print(f"exported {fmt} weights to {out}")
     if args.push_to_hub:
         print(f"pushed to {hub.push_folder(out, args.push_to_hub, token=token, private=not args.public)}")
     return 0
@@ -485,13 +485,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="a Hub-ready folder (weights, model card, sample grids) from a finished run")
     p.add_argument("run_dir")
-    p.add_argument("--format", choices=("lora", "merged"), default="lora",
-                   help="lora: pipe.load_lora_weights(DIR); merged: LoRA fused, DiffusionPipeline.from_pretrained(DIR)")
+    p.add_argument("--format", choices=("lora", "merged"), default=None,
+                   help="lora: the LoRA weights alone, for pipe.load_lora_weights(DIR) on the base model (LoRA runs "
+                        "only); merged: the whole pipeline with the trained weights, for DiffusionPipeline."
+                        "from_pretrained(DIR) (the model card gives the exact call): a LoRA run's LoRA fused into "
+                        "the base, a full fine-tune's weights as trained. Default: what the run trained, lora for "
+                        "a LoRA run, merged for a full fine-tune")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/export/FORMAT)")
     p.add_argument("--push-to-hub", metavar="USER/REPO", default=None, help="upload the folder (needs HF_TOKEN)")
     p.add_argument("--private", action="store_true", help="create the Hub repo private (the default)")
     p.add_argument("--public", action="store_true", help="create the Hub repo public (default: private)")
-    p.add_argument("--license", default=None, help="model card license (default: apache-2.0 for diffalign's own models, else other)")
+    p.add_argument("--license", default=None, help="model card license (default: diffalign's own, apache-2.0, for the models diffalign makes: "
+                        "shapes, tiny:*; else other: the base model's license applies)")
     p.set_defaults(fn=_cmd_export)
 
     p = sub.add_parser("demo", help="Gradio app: base vs aligned images, rewards and x0 previews for one prompt")

@@ -2,11 +2,12 @@
 
 - :func:`save_trained_weights`: a run's ``final/`` (written by the trainer);
 - :func:`load_trained_adapter`: base model + ``final/`` back as an adapter;
-- :func:`export_run`: ``diffalign export``: a self-contained folder for the Hub, either the
-  LoRA (``pipe.load_lora_weights(folder)``) or the LoRA fused into the base and the whole
-  pipeline saved (``DiffusionPipeline.from_pretrained(folder)``), with a model card, a before /
-  after pair of one prompt (the card's widget) and the before / after evaluation grids. Uploading
-  it is :mod:`diffalign.hub`.
+- :func:`export_run`: ``diffalign export``: a self-contained folder for the Hub in the format of
+  what was trained (:func:`default_format`): a LoRA run's LoRA (``pipe.load_lora_weights(folder)``),
+  or the whole pipeline with the trained weights (``DiffusionPipeline.from_pretrained(folder)``):
+  a fully fine-tuned run's as trained, or a LoRA run's LoRA fused into the base on request
+  (``merged``), with a model card, a before / after pair of one prompt (the card's widget) and the
+  before / after evaluation grids. Uploading it is :mod:`diffalign.hub`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from diffalign.report import evaluation_summary
 from diffalign.runs import METADATA_FILE, eval_records_path, read_final_metadata
 from diffalign.sampling import sample_images
 
+# lora: the LoRA file alone, loaded onto the base model (LoRA runs only); merged: the whole pipeline
+# with the trained weights (a LoRA run's LoRA fused into the base, a full fine-tune's weights as trained)
 EXPORT_FORMATS = ("lora", "merged")
 LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 WIDGET_FILE = "images/widget.png"  # the card's widget image: one prompt, base | trained, same noise
@@ -263,7 +266,7 @@ def _eval_prompts(run_dir: Path) -> list[str]:
 def widget_pair(adapter: ModelAdapter, meta: dict, config: dict, prompt: str, out: Path) -> dict:
     """Draw ``prompt`` with the base model and with the trained one (``adapter``, loaded from
     ``final/``) from the same noise, and write the two side by side to ``out``: the card's widget
-    image. Returns what the card says about it (prompt, seed, num_steps, guidance_scale).
+    image. Returns what the card says about it (prompt, seed, num_steps, guidance_scale, resolution).
 
     The sampler, steps, guidance scale, resolution and seed are the run's evaluation settings
     (:func:`diffalign.sampling.sample_images`: ODE, ``eval.seed``). The base is the same network
@@ -296,7 +299,7 @@ def widget_pair(adapter: ModelAdapter, meta: dict, config: dict, prompt: str, ou
                          nrow=2, tile=WIDGET_TILE_PX)
     save_png(grid, out)
     return {"prompt": prompt, "seed": settings["seed"], "num_steps": settings["num_steps"],
-            "guidance_scale": settings["guidance_scale"]}
+            "guidance_scale": settings["guidance_scale"], "resolution": settings["resolution"]}
 
 
 def paired_reward_differences(run_dir: Path, evals: list[dict]) -> dict:
@@ -325,9 +328,15 @@ def paired_reward_differences(run_dir: Path, evals: list[dict]) -> dict:
     return {"eval/reward_mean": diff["partial"]}
 
 
+def default_format(run_dir: str | os.PathLike) -> str:
+    """The export format of what the run trained: ``lora`` for a LoRA run (the adapter alone, a
+    few MB), ``merged`` for a fully fine-tuned one (its whole pipeline: there is no LoRA)."""
+    return "lora" if read_final_metadata(Path(run_dir)).get("format") == "lora" else "merged"
+
+
 def export_run(
     run_dir: str | os.PathLike,
-    fmt: str = "lora",
+    fmt: str | None = None,
     out: str | os.PathLike | None = None,
     *,
     repo_id: str | None = None,
@@ -339,20 +348,25 @@ def export_run(
     Args:
         run_dir: a run directory with ``final/`` (see :mod:`diffalign.runs`).
         fmt: ``"lora"``: ``pytorch_lora_weights.safetensors`` (copied from ``final/``), loaded
-            with ``pipe.load_lora_weights(folder)``; ``"merged"``: the LoRA fused into the base
-            weights and the whole pipeline saved, loaded with ``DiffusionPipeline.from_pretrained``
-            (a fully fine-tuned run is saved as is).
+            with ``pipe.load_lora_weights(folder)``, for LoRA runs only; ``"merged"``: the whole
+            pipeline with the trained weights (a LoRA run's LoRA fused into the base weights, a
+            fully fine-tuned run's weights as trained), loaded with
+            ``DiffusionPipeline.from_pretrained``. Default (None): :func:`default_format`, the
+            format of what was trained.
         out: the folder to write (default ``RUN_DIR/export/<fmt>``). It is written next to its
             final place and renamed into it; an existing folder is replaced only when it is an
             earlier export or empty.
         repo_id: the Hub repo the folder is meant for; the card's loading snippet names it
             (otherwise ``"."``, the folder itself: exported files name no local path).
-        license: the card's license (default: ``apache-2.0`` for diffalign's own models, else
-            ``other``: a model derived from a base model inherits its license).
+        license: the card's license (default: diffalign's own, :func:`diffalign.hub.own_license`,
+            for the models diffalign makes (the shipped ``shapes``, ``tiny:*``), else ``other``: a
+            model derived from a base model inherits its license).
     Also written: ``README.md`` (model card, see :func:`diffalign.hub.model_card`),
     ``images/widget.png`` (one prompt drawn by the base and the trained model from the same noise:
-    :func:`widget_pair`), ``images/`` before / after eval grids, ``diffalign.json``, and
-    ``LICENSE`` when the card's ``license_link`` points at it. Prints one ``warning:`` line on
+    :func:`widget_pair`), ``images/`` before / after eval grids, ``diffalign.json``,
+    ``pipeline.py`` and its neighbours in a whole pipeline of a class diffusers lacks
+    (:func:`write_pipeline_code`), and ``LICENSE`` when the card's ``license_link`` points at it.
+    Prints one ``warning:`` line on
     stderr when the weights equal the base model's (:func:`unchanged_weights`).
     """
     import yaml
@@ -360,11 +374,13 @@ def export_run(
 
     log = log or (lambda msg: None)
     run_dir = Path(run_dir)
-    if fmt not in EXPORT_FORMATS:
+    if fmt is not None and fmt not in EXPORT_FORMATS:
         raise RunDirError(f"unknown export format {fmt!r}; use one of {', '.join(EXPORT_FORMATS)}")
     meta = read_final_metadata(run_dir)
+    fmt = fmt or default_format(run_dir)
     if fmt == "lora" and meta.get("format") != "lora":
-        raise RunDirError(f"run {str(run_dir)!r} fine-tuned all weights (no LoRA); export it with --format merged")
+        raise RunDirError(f"run {str(run_dir)!r} fine-tuned all weights and has no LoRA to export; "
+                          f"export it without --format (or with --format merged): the whole pipeline")
     out = Path(out) if out is not None else run_dir / "export" / fmt
     _check_out_dir(out, run_dir)
     config = portable(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
@@ -402,6 +418,8 @@ def export_run(
                 adapter.pipeline.save_pretrained(str(tmp), safe_serialization=True)
                 scrub_local_paths(tmp, str(meta["base_model"]))
                 pipeline_class = type(adapter.pipeline)
+                if not hub.is_diffusers_pipeline(pipeline_class):
+                    write_pipeline_code(pipeline_class, tmp)
                 bar.update(1)
         del adapter
         grids = eval_grids(run_dir, evals)
@@ -430,6 +448,27 @@ def export_run(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def write_pipeline_code(pipeline_class: type, folder: Path) -> None:
+    """Make ``folder`` (a saved pipeline of a class diffusers does not have, e.g. ``ShapesPipeline``)
+    load with diffusers alone: the class's module as :data:`diffalign.hub.PIPELINE_CODE_FILE` and
+    the files it imports relatively, and ``model_index.json``'s ``_class_name`` as ``[file, class]``,
+    diffusers' layout for a pipeline whose code is in the folder; then
+    ``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)`` loads it, from the Hub
+    too. The module must import only installed libraries and its neighbours (relatively)."""
+    import inspect
+
+    from diffusers.utils.dynamic_modules_utils import get_relative_import_files
+
+    source = Path(inspect.getsourcefile(pipeline_class))
+    shutil.copyfile(_regular_file(source), folder / hub.PIPELINE_CODE_FILE)
+    for needed in get_relative_import_files(str(source)):  # what diffusers copies beside it when loading
+        shutil.copyfile(_regular_file(Path(needed)), folder / Path(needed).name)
+    index_file = folder / "model_index.json"
+    index = json.loads(index_file.read_text())
+    index["_class_name"] = [Path(hub.PIPELINE_CODE_FILE).stem, pipeline_class.__name__]
+    index_file.write_text(json.dumps(index, indent=2) + "\n")
 
 
 def fuse_lora(adapter: ModelAdapter) -> None:

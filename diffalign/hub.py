@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from diffalign import __license__
 from diffalign.adapters import DEFAULT_ALIASES, PIPELINE_FAMILIES, TINY_PREFIX
 from diffalign.config import SamplingConfig
 from diffalign.errors import DiffalignError
@@ -32,6 +33,9 @@ FALLBACK_PROMPT = "a photo of a cat"  # the widget prompt of a run whose prompts
 LICENSE_FILE = "LICENSE"  # license_link of a "license: other" card whose base has no Hub page
 # Pipelines that are not part of diffusers: where their class is imported from.
 NON_DIFFUSERS_PIPELINES = {"ShapesPipeline": "diffalign.shapes.pipeline"}
+# A whole-pipeline export of such a class carries its code under this name (diffusers' custom
+# pipeline file, named in model_index.json: diffalign.export.write_pipeline_code)
+PIPELINE_CODE_FILE = "pipeline.py"
 EVAL_SKIP = ("eval/seconds", "eval/num_images", "eval/probe/num_images")
 
 
@@ -64,6 +68,18 @@ def _is_own_model(base: str) -> bool:
     return base.startswith(TINY_PREFIX) or base in DEFAULT_ALIASES
 
 
+def is_diffusers_pipeline(pipeline_class: type) -> bool:
+    """Whether diffusers itself has the class (``DiffusionPipeline.from_pretrained`` finds it by name)."""
+    return pipeline_class.__name__ not in NON_DIFFUSERS_PIPELINES
+
+
+def needs_diffalign(meta: dict, fmt: str) -> bool:
+    """Whether loading the export takes diffalign: a LoRA on a base that diffalign makes (the shipped
+    ``shapes`` model, a ``tiny:*`` build), which no Hub repo holds. Every whole-pipeline export
+    loads with diffusers alone (a pipeline class diffusers lacks comes with its code)."""
+    return fmt == "lora" and _is_own_model(str(meta["base_model"]))
+
+
 def loading_snippet(meta: dict, fmt: str, where: str, *, pipeline_class: Optional[type] = None,
                     prompt: str = FALLBACK_PROMPT, steps: int = 28, guidance_scale: float = 4.5) -> str:
     """Python that loads the export (``where``: Hub repo id or local folder) and draws one image."""
@@ -78,10 +94,16 @@ def loading_snippet(meta: dict, fmt: str, where: str, *, pipeline_class: Optiona
     elif module is None:
         head = ["from diffusers import DiffusionPipeline",
                 f"pipe = DiffusionPipeline.from_pretrained({q(where if fmt == 'merged' else base)})"]
-    elif fmt == "lora" and base in DEFAULT_ALIASES:
-        head = [f"from {module} import SHIPPED_MODEL_DIR, {class_name}", f"pipe = {class_name}.from_pretrained(SHIPPED_MODEL_DIR)"]
+    elif fmt == "merged":  # the folder holds the class's code: diffusers runs it when allowed to
+        head = ["from diffusers import DiffusionPipeline",
+                f"# {class_name}'s code is {PIPELINE_CODE_FILE} of the model's folder (diffusers' custom pipeline): "
+                f"trust_remote_code runs it",
+                f"pipe = DiffusionPipeline.from_pretrained({q(where)}, trust_remote_code=True)"]
+    elif base in DEFAULT_ALIASES:
+        head = [f"from {module} import SHIPPED_MODEL_DIR, {class_name}  # pip install diffalign: the base model ships in it",
+                f"pipe = {class_name}.from_pretrained(SHIPPED_MODEL_DIR)"]
     else:
-        head = [f"from {module} import {class_name}", f"pipe = {class_name}.from_pretrained({q(where if fmt == 'merged' else base)})"]
+        head = [f"from {module} import {class_name}", f"pipe = {class_name}.from_pretrained({q(base)})"]
     lines = ["import torch"] + head + ([f"pipe.load_lora_weights({q(where)})"] if fmt == "lora" else [])
     if fmt == "lora":  # further denoiser parts (Wan2.2's transformer_2): their own file, diffusers' load_into_<part>
         lines += [f"pipe.load_lora_weights({q(where)}, weight_name={q(name)}, load_into_{part}=True)"
@@ -160,6 +182,13 @@ def _license_fields(license: str, base: str, hub_base: Optional[str]) -> dict:
             "license_link": f"https://huggingface.co/{hub_base}" if hub_base else LICENSE_FILE}
 
 
+def own_license() -> str:
+    """The Hub's id of diffalign's own licence (``apache-2.0``: pyproject.toml's ``license``, the
+    LICENSE file), which covers the models diffalign makes: the shipped ``shapes`` model's weights and
+    the ``tiny:*`` builds. The Hub's ids are the SPDX ids in lower case."""
+    return __license__.lower()
+
+
 def license_file_text(base: str) -> str:
     """:data:`LICENSE_FILE` of an export whose base has no Hub page to link."""
     return (f"These weights were trained with diffalign from the base model `{Path(base).name}`, which has no "
@@ -175,6 +204,63 @@ def _base_model_note(base: str, family: Optional[str], hub_base: Optional[str]) 
     made = ("a local folder" if not _is_own_model(base) else "a tiny model built in code by diffalign"
             if base.startswith(TINY_PREFIX) else "the model shipped in the diffalign package")
     return f" (no `base_model` in the metadata: the Hub accepts only a Hub model id there, and this base is {made})"
+
+
+def _license_text(license: str, base: str) -> str:
+    """The card's licence paragraph: which licence applies to the weights, and why."""
+    if not _is_own_model(base):
+        return f"`{license}`. These weights derive from `{base}`: its license applies."
+    if license != own_license():  # --license chose another one
+        return f"`{license}`."
+    made = "random weights built in code by diffalign" if base.startswith(TINY_PREFIX) else "shipped in the diffalign package"
+    return (f"`{license}`: the base model `{base}` ({made}) is under diffalign's license, "
+            f"{__license__} (the LICENSE file of diffalign's repository and wheel), and so are these weights.")
+
+
+def _base_reference(base: str, family: Optional[str], hub_base: Optional[str]) -> str:
+    """The base model as the card's first sentence names it."""
+    if hub_base:
+        return f"[`{hub_base}`](https://huggingface.co/{hub_base}) ({family})"
+    if base.startswith(TINY_PREFIX):
+        return f"`{base}` (a tiny {family} model with random weights built in code by diffalign)"
+    if base in DEFAULT_ALIASES:
+        return f"`{base}` (the ShapesWorld text-to-image model shipped in the diffalign package)"
+    return f"`{base}` ({family})"
+
+
+# GRPO-Guard's switches (diffalign.config.GuardOptions): with all of them off the guard is off, and
+# its mode applies only with the ratio normalisation on
+GUARD_SWITCHES = ("algorithm.guard_ratio_norm", "algorithm.guard_step_reweight", "algorithm.guard_diagnostics")
+GUARD_NORM_MODE = "algorithm.guard_norm_mode"
+
+
+def settings_in_effect(config: dict, meta: dict, *, resolution: Optional[int] = None) -> dict:
+    """The card's settings table: every ``algorithm.*`` key and :data:`CARD_HPARAMS`, less those
+    that did not take effect: a section switched off (``lora`` of a full fine-tune, ``train.ema``
+    with ``enabled: false``), GRPO-Guard's switches that were off (and its mode without the ratio
+    normalisation), and empty values. ``model.resolution`` 0 (the model's default) reads as
+    ``resolution``, the one the run used, when given."""
+    flat = {k: v for k, v in _flatten(config).items()
+            if (k.startswith("algorithm.") or k in CARD_HPARAMS) and v not in (None, {}, [])}
+    off = [k[: -len("enabled")] for k, v in _flatten(config).items() if k.endswith(".enabled") and v is False]
+    if not meta.get("lora"):
+        off.append("lora.")
+    flat = {k: v for k, v in flat.items() if not any(k.startswith(prefix) for prefix in off)}
+    flat = {k: v for k, v in flat.items() if not (k in GUARD_SWITCHES and v is False)}
+    if not flat.get("algorithm.guard_ratio_norm"):
+        flat.pop(GUARD_NORM_MODE, None)
+    if not flat.get("model.resolution") and resolution:
+        flat["model.resolution"] = resolution
+    return flat
+
+
+def _weights_exported(meta: dict, fmt: str) -> str:
+    """What the folder holds: the LoRA, the pipeline with the LoRA fused, or the fine-tuned pipeline."""
+    lora = meta.get("lora")
+    shape = f"LoRA rank {lora.get('rank')}, alpha {lora.get('alpha')}" if lora else ""
+    if fmt == "lora":
+        return f"LoRA ({shape})"
+    return f"the whole pipeline, {'the LoRA (' + shape + ') fused into it' if lora else 'all weights fine-tuned'}"
 
 
 def _weights_held(meta: dict) -> str:
@@ -208,27 +294,31 @@ def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: 
 
     base, algorithm, reward, family = str(meta["base_model"]), meta.get("algorithm"), meta.get("reward"), meta.get("family")
     hub_base = _hub_base_model(base)
-    license = license or ("apache-2.0" if _is_own_model(base) else "other")
-    tags = ["diffalign", algorithm, family, "text-to-image", "diffusers"] + (["lora"] if fmt == "lora" else [])
+    license = license or (own_license() if _is_own_model(base) else "other")
+    # library_name (the Hub's "Use in diffusers" button) only where diffusers alone loads the folder
+    diffusers_alone = not needs_diffalign(meta, fmt)
+    tags = ["diffalign", algorithm, family, "text-to-image"] + (["diffusers"] if diffusers_alone else []) + (["lora"] if fmt == "lora" else [])
     tags = [t for i, t in enumerate(tags) if t and t not in tags[:i]]
-    flat = _flatten(config)
     prompt = widget["prompt"] if widget else widget_prompt(config, family)
     sampling = config.get("sampling") or {}
     # base_model only when the base is a Hub model (see _base_model_note; the card's text names the base either way)
     data = ModelCardData(
-        base_model=hub_base, **_license_fields(license, base, hub_base), library_name="diffusers",
+        base_model=hub_base, **_license_fields(license, base, hub_base), library_name="diffusers" if diffusers_alone else None,
         pipeline_tag="text-to-image", tags=tags, model_name=name,
         widget=[{"text": prompt, **({"output": {"url": widget["image"]}} if widget else {})}],
     )
-    what = "LoRA adapter for" if fmt == "lora" else "Full pipeline (LoRA fused into the weights) of" if meta.get("lora") else "Fine-tuned"
-    base_ref = (f"[`{base}`](https://huggingface.co/{hub_base})" if hub_base else
-                f"`{base}` (made by diffalign: {'the model shipped in the package' if family == 'shapes' and not base.startswith('tiny:') else 'a tiny model built in code'})"
-                if _is_own_model(base) else f"`{base}`")
+    iterations = f"{meta.get('iterations')} iteration{'' if meta.get('iterations') == 1 else 's'}"
+    how = (f"with **{algorithm}** on the **{reward}** reward for {iterations} with diffalign"
+           + (" (the exponential moving average of the weights)" if meta.get("ema") else ""))
+    base_ref = _base_reference(base, family, hub_base)
+    if fmt == "lora":
+        summary = f"A LoRA adapter for {base_ref}, trained {how}."
+    elif meta.get("lora"):
+        summary = f"{base_ref} with a LoRA fused into its weights, the whole pipeline; the LoRA was trained {how}."
+    else:
+        summary = f"{base_ref} with all of its weights fine-tuned {how}: the whole pipeline."
     lines = [
-        f"# {name}", "",
-        f"{what} {base_ref} ({family}), aligned with **{algorithm}** on the **{reward}** reward for "
-        f"{meta.get('iterations')} iteration{'' if meta.get('iterations') == 1 else 's'} with diffalign"
-        + (" (exponential moving average of the weights)." if meta.get("ema") else "."), "",
+        f"# {name}", "", summary, "",
         "## Use", "", "```python",
         loading_snippet(meta, fmt, where, pipeline_class=pipeline_class, prompt=prompt,
                         steps=int(sampling.get("eval_num_steps", SamplingConfig.eval_num_steps)),
@@ -249,14 +339,13 @@ def model_card(meta: dict, config: dict, evals: list[dict], *, fmt: str, where: 
     evaluation = list(evaluation or [])
     has_table = any(line.startswith("|") for line in evaluation)  # ShapesWorld: intervals and paired differences
     lines += ["## Evaluation", ""] + evaluation + ([] if has_table else _eval_table(evals, differences) + [""])
-    hparams = {k: v for k, v in flat.items() if (k.startswith("algorithm.") or k in CARD_HPARAMS) and v not in (None, {}, [])}
+    hparams = settings_in_effect(config, meta, resolution=(widget or {}).get("resolution"))
     lines += ["## Training", "", f"- base model: `{base}`" + _base_model_note(base, family, hub_base),
               f"- algorithm: `{algorithm}`", f"- reward: `{reward}`", f"- iterations: {meta.get('iterations')}",
-              f"- weights: {fmt}" + (f" (LoRA rank {meta['lora'].get('rank')}, alpha {meta['lora'].get('alpha')})" if meta.get("lora") else "")
-              + f", {_weights_held(meta)}",
+              f"- weights: {_weights_exported(meta, fmt)}, {_weights_held(meta)}",
               "", "| hyperparameter | value |", "|---|---|"] + [f"| `{k}` | `{v}` |" for k, v in hparams.items()] + [""]
     lines += ["## License", "",
-              f"`{license}`." + ("" if _is_own_model(base) else f" These weights derive from `{base}`: its license applies."), ""]
+              _license_text(license, base), ""]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
 

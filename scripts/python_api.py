@@ -13,7 +13,7 @@ import sys
 from diffalign.adapters import load_adapter
 from diffalign.config_files import load_config
 from diffalign.evaluation import comparison_columns, evaluate_shapes, format_table
-from diffalign.export import export_run, load_trained_adapter
+from diffalign.export import default_format, export_run, load_trained_adapter
 from diffalign.trainer import build_trainer
 from diffalign.shapes import split_prompts
 
@@ -28,5 +28,5 @@ images = cfg.eval.images_per_family
 base = evaluate_shapes(load_adapter(cfg.model.id), prompts, images_per_family=images)
 run = evaluate_shapes(load_trained_adapter(out), prompts, images_per_family=images)  # same seeds: paired
 print(format_table(comparison_columns({"base": base, "run": run}, base="base")))
-fmt = "lora" if cfg.lora.enabled else "merged"  # a full fine-tune has no LoRA to export
+fmt = default_format(out)  # what was trained: "lora", or "merged" (the whole pipeline) for a full fine-tune
 print(f"{fmt} weights exported to", export_run(out, fmt))

@@ -3,6 +3,9 @@ the Hub upload operations, safe output folders, and one-line errors for pushes t
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -75,7 +78,8 @@ def test_model_card_parses_and_says_what_was_trained(lora_dir):
     card = ModelCard.load(lora_dir / "README.md")
     data = card.data.to_dict()
     assert {"diffalign", "flow_grpo", "sd3", "lora"} <= set(data["tags"])
-    assert data["license"] == "apache-2.0" and data["library_name"] == "diffusers"
+    # a LoRA on a tiny base built in code: diffusers alone cannot load it, so the card does not say it does
+    assert data["license"] == "apache-2.0" and "library_name" not in data and "diffusers" not in data["tags"]
     assert data["pipeline_tag"] == "text-to-image"
     assert "base_model" not in data  # tiny:sd3 has no Hub page; a hub id would be linked
     text = card.text
@@ -345,6 +349,8 @@ def test_card_license_other_names_the_license_and_shapes_widgets_use_the_grammar
     prompt = shapes.data.to_dict()["widget"][0]["text"]
     assert parse_prompt(prompt).family == "position"  # in the world's grammar, not "a photo of a cat"
     assert "base_model" not in shapes.data.to_dict() and shapes.data.to_dict()["license"] == "apache-2.0"
+    # the shipped model is under diffalign's license (pyproject.toml, LICENSE), which the card names
+    assert "`apache-2.0`: the base model `shapes` (shipped in the diffalign package) is under diffalign's license, Apache-2.0" in shapes.text
 
 
 def test_license_other_without_a_hub_base_links_a_license_file_of_the_export(run, tmp_path):
@@ -373,3 +379,182 @@ def test_card_of_a_local_base_has_valid_front_matter_and_no_path():
     assert front["license_name"] == "my-sd3-license" and front["license_link"] == "LICENSE"
     assert front["widget"] == [{"text": "a photo of a cat"}]  # no prompt known, no image: text only
     assert "/home/someone" not in str(card) and "a local folder" in str(card)
+
+
+# ---- the format of what was trained; a whole ShapesWorld pipeline that diffusers loads ------------
+# a full fine-tune (the main job's recipe) of the tiny ShapesWorld model, one iteration
+FULL_RUN = ["shapes/flow_grpo", "model.id=tiny:shapes", "max_iterations=1", "rollout.prompts_per_iteration=2",
+            "rollout.group_size=2", "rollout.sample_batch_size=4", "train.batch_size=4", "sampling.num_steps=2",
+            "sampling.eval_num_steps=2", "sampling.window_size=0", "eval.images_per_family=1", "eval.probe=false",
+            "log.report=false", "log.progress_bar=false", "optim.lr=1e-2"]
+# diffalign made unimportable: what a diffusers user without diffalign has
+WITHOUT_DIFFALIGN = "import sys; sys.modules['diffalign'] = None\n"
+
+
+def diffalign_cli(*args, cwd=ROOT, timeout=600) -> subprocess.CompletedProcess:
+    """``python -m diffalign.cli ARGS`` in a subprocess, as a user runs it (this checkout's code)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "diffalign.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_card_snippet(folder, tmp_path, *, steps: int = 2, block_diffalign: bool = True) -> subprocess.CompletedProcess:
+    """The model card's loading code, run in ``folder`` (its snippet loads ".") by a fresh Python
+    (without diffalign unless ``block_diffalign`` is False), with ``steps`` sampling steps; prints the
+    image's size and the pipeline's module."""
+    text = (folder / "README.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("num_inference_steps=20", f"num_inference_steps={steps}")
+    code += "print('image', image.size, type(pipe).__module__)\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"))
+    return subprocess.run([sys.executable, "-c", (WITHOUT_DIFFALIGN if block_diffalign else "") + code], cwd=folder,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "full_run"
+    result = diffalign_cli("train", *FULL_RUN, f"output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "final" / "diffalign.json").read_text())["format"] == "full"
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_export(full_run):
+    """``diffalign export RUN`` with no options, on the full fine-tune."""
+    result = diffalign_cli("export", full_run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == f"exported merged weights to {full_run / 'export' / 'merged'}"
+    return full_run / "export" / "merged"
+
+
+def test_export_without_format_follows_what_was_trained(full_export, run, tmp_path):
+    """A full fine-tune exports its whole pipeline, a LoRA run its LoRA; --format lora on a full
+    fine-tune is one error line that says what to do."""
+    assert (full_export / "model_index.json").is_file() and not list(full_export.glob("*lora*"))
+    assert json.loads((full_export / "diffalign.json").read_text())["format"] == "merged"
+
+    lora_run = tmp_path / "lora_run"  # a copy: the shared run directory stays as it is
+    shutil.copytree(run, lora_run, ignore=shutil.ignore_patterns("export", "checkpoints"))
+    result = diffalign_cli("export", lora_run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == f"exported lora weights to {lora_run / 'export' / 'lora'}"
+    assert (lora_run / "export" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+    result = diffalign_cli("export", full_export.parents[1], "--format", "lora", "--out", tmp_path / "never")
+    assert result.returncode == 2 and not (tmp_path / "never").exists()
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "has no LoRA to export" in line and "without --format" in line, line
+
+
+def test_export_help_says_what_each_format_holds_and_the_default():
+    result = diffalign_cli("export", "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "lora: the LoRA weights alone" in text and "(LoRA runs only)" in text
+    assert "merged: the whole pipeline with the trained weights" in text and "a full fine-tune's weights as trained" in text
+    assert "Default: what the run trained, lora for a LoRA run, merged for a full fine-tune" in text
+    assert "LoRA fused, DiffusionPipeline" not in text  # what it said before: true of LoRA runs only
+
+
+def test_a_shapes_pipeline_export_loads_with_diffusers_alone(full_export, full_run, tmp_path):
+    """The folder holds ShapesPipeline's code and names it in model_index.json; the card's own
+    loading code (``DiffusionPipeline.from_pretrained(".", trust_remote_code=True)``) runs in a
+    Python where diffalign cannot be imported, and draws what diffalign's trained model draws."""
+    import numpy as np
+
+    index = json.loads((full_export / "model_index.json").read_text())
+    assert index["_class_name"] == ["pipeline", "ShapesPipeline"]
+    assert (full_export / "pipeline.py").is_file() and (full_export / "coordinates.py").is_file()
+    card = (full_export / "README.md").read_text()
+    assert 'pipe = DiffusionPipeline.from_pretrained(".", trust_remote_code=True)' in card
+    assert "diffalign" not in card.split("```python\n", 1)[1].split("```", 1)[0]  # the snippet imports no diffalign
+
+    result = run_card_snippet(full_export, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "image (32, 32) diffusers_modules.local.pipeline" in result.stdout  # the folder's code, run by diffusers
+    assert "might require the following packages" not in result.stderr  # diffusers' check of the code's imports
+
+    code = ("import numpy as np, torch\nfrom diffusers import DiffusionPipeline\n"
+            "pipe = DiffusionPipeline.from_pretrained('.', trust_remote_code=True)\n"
+            "x = pipe(['two red circles'], num_inference_steps=3, output_type='np', generator=torch.Generator().manual_seed(0)).images\n"
+            "np.save('drawn.npy', x)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"))
+    done = subprocess.run([sys.executable, "-c", WITHOUT_DIFFALIGN + code], cwd=full_export, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = load_trained_adapter(full_run).pipeline
+    want = trained(["two red circles"], num_inference_steps=3, output_type="np", generator=torch.Generator().manual_seed(0)).images
+    # the same code and weights; another process's thread count may change the order of float sums
+    np.testing.assert_allclose(np.load(full_export / "drawn.npy"), want, rtol=0, atol=1e-5)
+    assert np.abs(want - 0.5).max() > 0.1  # an image, not a blank
+    (full_export / "drawn.npy").unlink()
+
+
+def test_diffalign_loads_a_shapes_export_with_its_own_class(full_export):
+    """The export names its code file, but diffalign's loaders read the folder with diffalign's
+    ShapesPipeline (the folder's code is not run), family detected from the folder."""
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    adapter = load_adapter(str(full_export))
+    assert adapter.family == "shapes" and type(adapter.pipeline) is ShapesPipeline
+    assert type(ShapesPipeline.from_pretrained(str(full_export))) is ShapesPipeline
+
+
+def test_card_of_a_full_fine_tune_lists_only_settings_that_took_effect(full_export):
+    import yaml
+    from huggingface_hub import ModelCard, ModelCardData
+
+    front, text = _front_matter(full_export / "README.md")
+    assert ModelCardData(**front).to_dict() == front  # the Hub's metadata round trip
+    assert ModelCard.load(full_export / "README.md").data.to_dict() == front
+    assert front["library_name"] == "diffusers" and "diffusers" in front["tags"] and "lora" not in front["tags"]
+    assert front["license"] == "apache-2.0"
+    assert ("`tiny:shapes` (a tiny shapes model with random weights built in code by diffalign) with all of its "
+            "weights fine-tuned with **flow_grpo** on the **shapes_eval** reward for 1 iteration with diffalign") in text
+    assert "(made by diffalign" not in text and "Fine-tuned `" not in text
+    assert "- weights: the whole pipeline, all weights fine-tuned, the weights of the last optimizer step" in text
+    rows = [line.split("`")[1] for line in text.splitlines() if line.startswith("| `")]
+    config = yaml.safe_load((full_export.parents[1] / "config.yaml").read_text())
+    assert config["lora"]["enabled"] is False and config["train"]["ema"]["enabled"] is False
+    assert config["algorithm"]["guard_ratio_norm"] is False  # GRPO-Guard was off
+    assert "optim.lr" in rows and "algorithm.clip_range" in rows and "model.resolution" in rows
+    assert not [r for r in rows if r.startswith(("lora.", "train.ema.", "algorithm.guard"))], rows
+    assert "| `model.resolution` | `32` |" in text  # 0 in config.yaml: the model's own, which the run used
+
+
+def test_settings_in_effect_keep_what_was_on():
+    from diffalign.hub import settings_in_effect
+
+    config = {"lora": {"enabled": True, "rank": 8, "alpha": 16}, "train": {"ema": {"enabled": True, "decay": 0.9}},
+              "model": {"resolution": 64},
+              "algorithm": {"name": "flow_grpo", "guard_ratio_norm": True, "guard_norm_mode": "batch",
+                            "guard_step_reweight": False, "guard_diagnostics": False}}
+    rows = settings_in_effect(config, {"lora": {"rank": 8, "alpha": 16}})
+    assert rows == {"model.resolution": 64, "lora.rank": 8, "lora.alpha": 16,
+                    "train.ema.enabled": True, "train.ema.decay": 0.9, "algorithm.name": "flow_grpo",
+                    "algorithm.guard_ratio_norm": True, "algorithm.guard_norm_mode": "batch"}
+    config["algorithm"].update(guard_ratio_norm=False, guard_step_reweight=True)  # the mode applies to the normalisation only
+    config["train"]["ema"]["enabled"] = False
+    rows = settings_in_effect(config, {"lora": None}, resolution=32)
+    assert rows == {"model.resolution": 64, "algorithm.name": "flow_grpo", "algorithm.guard_step_reweight": True}
+
+
+def test_diffalign_loads_a_shapes_export_from_the_hub_with_its_own_class(full_export, tmp_path):
+    """A Hub repo of the export (here: in the Hub cache, read offline) loads with diffalign's
+    ShapesPipeline too: diffalign fetches the files and runs none of the repo's code (diffusers
+    itself would ask for trust_remote_code)."""
+    from diffalign.shapes.pipeline import ShapesPipeline
+
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--someone--shapes-export"
+    shutil.copytree(full_export, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    adapter = load_adapter("someone/shapes-export", family="shapes", cache_dir=str(tmp_path / "hub"), local_files_only=True)
+    assert type(adapter.pipeline) is ShapesPipeline
+    trained = load_trained_adapter(full_export.parents[1]).denoiser.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in adapter.denoiser.state_dict().items())

@@ -184,20 +184,59 @@ def _in_wheel(path: Path) -> str:
     return rel
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """A wheel built from a copy of the tree (the build's own folders stay out of the checkout)."""
-    tmp = tmp_path_factory.mktemp("wheel")
+def build_wheel(tmp: Path) -> tuple[Path, str]:
+    """A wheel built from a copy of the tree (the build's own folders stay out of the checkout) by
+    setuptools' build backend, as ``pip wheel --no-build-isolation`` calls it, with every Python
+    warning shown; returns the wheel and the build's output."""
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     for name in _source_dirs():
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns(*SKIP))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp)],
-                   cwd=src, check=True, capture_output=True, env=dict(os.environ, PIP_NO_INDEX="1"))
+    build = f"from setuptools import build_meta; build_meta.build_wheel({str(tmp)!r})"
+    result = subprocess.run([sys.executable, "-W", "always", "-c", build], cwd=src, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
     (built,) = tmp.glob("diffalign-*.whl")
-    return built
+    return built, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel_build(tmp_path_factory) -> tuple[Path, str]:
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def wheel(wheel_build) -> Path:
+    return wheel_build[0]
+
+
+def test_the_wheel_ships_the_license_and_the_build_does_not_warn(wheel_build):
+    """pyproject.toml's license is an SPDX expression with its file (PEP 639): the wheel's metadata
+    names it, the wheel holds LICENSE, and setuptools warns about nothing (a ``license = {text}``
+    table drew three deprecation warnings per build)."""
+    import setuptools
+
+    import diffalign
+
+    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads pyproject.toml")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == diffalign.__license__ == "Apache-2.0"
+    assert pyproject["project"]["license-files"] == ["LICENSE"]
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    (needed,) = [r for r in pyproject["build-system"]["requires"] if r.startswith("setuptools")]
+    minimum = tuple(int(x) for x in needed.split(">=")[1].split("."))
+    assert minimum >= (77,)  # the first setuptools that reads license-files and an SPDX license
+    assert tuple(int(x) for x in setuptools.__version__.split(".")[:len(minimum)]) >= minimum  # this build's own
+
+    wheel, log = wheel_build
+    archive = zipfile.ZipFile(wheel)
+    assert archive.read("diffalign-0.1.0.dist-info/licenses/LICENSE").decode() == license_text
+    metadata = archive.read("diffalign-0.1.0.dist-info/METADATA").decode().split("\n\n", 1)[0].splitlines()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    warnings = [line for line in log.splitlines() if "Warning:" in line]  # Python's "Category: message"
+    assert not warnings, warnings
 
 
 def test_the_wheel_holds_every_config_demo_and_module_file(wheel):
@@ -234,3 +273,82 @@ def test_the_unpacked_wheel_alone_serves_recipes_and_the_demo(wheel, tmp_path):
     assert Path(out["demo"]) == site / "diffalign" / "_demo" / "app.py"
     assert "shapes/flow_grpo " in result.stdout and "algorithm:\n  name: flow_grpo" in result.stdout
     assert "--share" in result.stdout and "usage: diffalign demo" in result.stdout
+
+
+def test_the_wheel_installs_three_top_level_packages_and_refuses_a_stand_in(wheel, tmp_path):
+    """diffalign, reward_models and schedulers (docs/architecture.md, "Packages": the last two are
+    public API under their own names). A folder ``schedulers/`` in the working folder, which
+    ``python -m`` puts first on sys.path, stops diffalign at import with a message naming it."""
+    archive = zipfile.ZipFile(wheel)
+    assert archive.read("diffalign-0.1.0.dist-info/top_level.txt").decode().split() == ["diffalign", "reward_models", "schedulers"]
+    assert {n.split("/")[0] for n in archive.namelist() if not n.startswith("diffalign-0.1.0")} == {
+        "diffalign", "reward_models", "schedulers"}
+    site = tmp_path / "site"
+    archive.extractall(site)
+    project = tmp_path / "project"  # another project whose learning-rate schedulers are a package "schedulers"
+    (project / "schedulers").mkdir(parents=True)
+    (project / "schedulers" / "__init__.py").write_text("")
+    env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "diffalign.cli", "list"], cwd=project, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "needs its own top-level package 'schedulers'" in last and str(project / "schedulers") in last, last
+    (project / "schedulers" / "__init__.py").unlink()
+    (project / "schedulers").rmdir()
+    result = subprocess.run([sys.executable, "-m", "diffalign.cli", "list"], cwd=project, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "rewards:" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_from_the_wheel_the_main_job_exports_a_model_diffusers_loads(wheel, tmp_path):
+    """From the unpacked wheel alone, outside the checkout, as a user runs it: two iterations of the
+    main job (``shapes/flow_grpo``, a full fine-tune of the shipped model, with a small rollout and
+    evaluation), ``diffalign export RUN`` with no options, and the model card's own loading code in a
+    Python without diffalign: it draws an image. The card's metadata survives the Hub's round trip
+    and names the license of the LICENSE file."""
+    import yaml
+    from huggingface_hub import ModelCard, ModelCardData
+
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+    def diffalign(*args):
+        result = subprocess.run([sys.executable, "-m", "diffalign.cli", *args], cwd=away, env=env,
+                                capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    small = ["max_iterations=2", "rollout.prompts_per_iteration=2", "rollout.group_size=2", "train.batch_size=4",
+             "eval.images_per_family=1", "eval.probe=false", "log.progress_bar=false"]
+    diffalign("train", "shapes/flow_grpo", "output_dir=run", *small)
+    out = diffalign("export", "run")
+    folder = away / "run" / "export" / "merged"
+    assert out.strip().splitlines()[-1] == f"exported merged weights to {Path('run') / 'export' / 'merged'}"
+    assert (folder / "pipeline.py").read_bytes() == (site / "diffalign" / "shapes" / "pipeline.py").read_bytes()
+
+    text = (folder / "README.md").read_text()
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert ModelCardData(**front).to_dict() == front and ModelCard.load(folder / "README.md").data.to_dict() == front
+    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads pyproject.toml")
+    license_id = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]
+    assert front["license"] == license_id.lower() == "apache-2.0" and front["library_name"] == "diffusers"
+    assert "Apache License" in (site / "diffalign-0.1.0.dist-info" / "licenses" / "LICENSE").read_text()
+    assert ("`shapes` (the ShapesWorld text-to-image model shipped in the diffalign package) with all of its "
+            "weights fine-tuned with **flow_grpo**") in text
+
+    code = text.split("```python\n", 1)[1].split("```", 1)[0].replace("num_inference_steps=20", "num_inference_steps=2")
+    assert "DiffusionPipeline.from_pretrained(\".\", trust_remote_code=True)" in code and "diffalign" not in code
+    plain = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    plain["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
+    script = "import sys; sys.modules['diffalign'] = None  # a diffusers user without diffalign\n" + code + \
+             "print('image', image.size)\n"
+    result = subprocess.run([sys.executable, "-c", script], cwd=folder, env=plain, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "image (32, 32)" in result.stdout
+    assert "might require the following packages" not in result.stderr  # the code in the folder imports no diffalign

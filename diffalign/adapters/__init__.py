@@ -103,7 +103,9 @@ def _family_from_index(index_file: Path | str, where: str) -> str:
         raise ModelLoadError(f"{where} has no model_index.json (not a diffusers pipeline folder); {_known()}") from e
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{where}: cannot read _class_name from model_index.json ({e}); {_known()}") from e
-    if class_name not in PIPELINE_FAMILIES:
+    if isinstance(class_name, list) and len(class_name) == 2:  # [code file in the folder, class]: a custom pipeline
+        class_name = class_name[1]
+    if not isinstance(class_name, str) or class_name not in PIPELINE_FAMILIES:
         raise ModelLoadError(
             f"{where}: pipeline class {class_name!r} has no adapter "
             f"(supported: {', '.join(sorted(PIPELINE_FAMILIES))}); {_known()}"

@@ -17,6 +17,7 @@ images): held-out loss 0.0632 -> 0.0631 with attention only (131k LoRA parameter
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar, Sequence
 
 import torch
@@ -26,6 +27,10 @@ from diffalign.shapes.model import TINY_CONFIG, build_pipeline
 from diffalign.shapes.pipeline import SHIPPED_MODEL_DIR, ShapesPipeline
 from ._util import module_dtype, pipeline_kwargs
 from .base import ModelAdapter, PromptEmbeds
+
+
+# from_pretrained keywords that say which Hub files to fetch: snapshot_download's
+HUB_DOWNLOAD_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
 
 
 class ShapesAdapter(ModelAdapter):
@@ -46,11 +51,21 @@ class ShapesAdapter(ModelAdapter):
 
     @classmethod
     def from_pretrained(cls, model_id: str | None = None, *, device="cpu", dtype=torch.float32, **kwargs) -> "ShapesAdapter":
-        """Load a saved :class:`ShapesPipeline` folder (default: the shipped model)."""
+        """Load a saved :class:`ShapesPipeline` folder or Hub repo (default: the shipped model).
+
+        A Hub repo is downloaded first and loaded from its local copy: an exported repo names its
+        own copy of the pipeline's code in ``model_index.json``, which diffusers would want to run
+        from the Hub (``trust_remote_code``); diffalign loads it with its own class instead."""
 
         model_id = str(model_id or cls.default_model_path())
         try:
-            pipe = ShapesPipeline.from_pretrained(model_id, **pipeline_kwargs(dtype, kwargs))
+            source = model_id
+            if not Path(model_id).expanduser().is_dir():
+                from huggingface_hub import snapshot_download
+
+                hub = {k: kwargs.pop(k) for k in HUB_DOWNLOAD_KWARGS if k in kwargs}
+                source = snapshot_download(model_id, **hub)
+            pipe = ShapesPipeline.from_pretrained(source, **pipeline_kwargs(dtype, kwargs))
         except (OSError, EnvironmentError, ValueError) as e:
             raise ModelLoadError(f"cannot load shapes model from {model_id!r}: {e}") from e
         pipe.set_progress_bar_config(disable=True)

@@ -5,9 +5,8 @@ Pixel-space rectified flow at 32x32 (no VAE): the sample ``x`` is the image mapp
 predicts the velocity ``v = eps - x0`` and takes ``t * 1000`` as its timestep input (the
 ``timesteps`` of ``FlowMatchEulerDiscreteScheduler``).
 
-Use it like any diffusers pipeline::
+Use it like any diffusers pipeline (``ShapesPipeline`` and ``SHIPPED_MODEL_DIR`` are this module's)::
 
-    from diffalign.shapes.pipeline import ShapesPipeline, SHIPPED_MODEL_DIR
     pipe = ShapesPipeline.from_pretrained(SHIPPED_MODEL_DIR)
     images = pipe(["two red circles"], generator=torch.Generator().manual_seed(0)).images
 
@@ -15,6 +14,13 @@ Components: ``text_encoder`` (``CLIPTextModel``, ``BertModel`` (the shipped mode
 ``tokenizer`` (``CLIPTokenizer``), ``unet`` (``UNet2DConditionModel``), ``scheduler``
 (``FlowMatchEulerDiscreteScheduler``); see
 :mod:`diffalign.shapes.model` for the architecture.
+
+Without diffalign: this file and ``coordinates.py`` (its one relative import) need only torch and
+diffusers (diffusers reads every line that starts with ``import`` or ``from ... import``, docstrings
+too, as an import the file needs: none here names diffalign). ``diffalign export`` copies both into an exported pipeline folder and names them in its
+``model_index.json`` (``"_class_name": ["pipeline", "ShapesPipeline"]``), diffusers' layout for a
+pipeline whose code lives in the folder, so that
+``DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)`` loads it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, UNet2D
 from diffusers.loaders import StableDiffusionLoraLoaderMixin
 from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
 
-from diffalign.shapes.coordinates import attach_coordinates
+from .coordinates import attach_coordinates  # relative: the exported copy imports its neighbour file
 
 # The pretrained model shipped inside the package (a few MB of safetensors).
 SHIPPED_MODEL_DIR = str(Path(__file__).resolve().parent.parent / "assets" / "shapes-t2i")
@@ -44,6 +50,18 @@ class ShapesPipeline(DiffusionPipeline, StableDiffusionLoraLoaderMixin):
         self.register_modules(text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler)
         if unet is not None:
             attach_coordinates(unet)  # a UNet with coordinate input channels appends them itself
+
+    @classmethod
+    def load_config(cls, *args, **kwargs):
+        """diffusers' ``load_config``; a ``model_index.json`` that names the folder's own copy of the
+        code (``"_class_name": ["pipeline", "ShapesPipeline"]``, an export's) reads as this class, so
+        ``ShapesPipeline.from_pretrained(folder)`` loads with this code and runs none of the folder's."""
+        loaded = super().load_config(*args, **kwargs)
+        config = loaded[0] if isinstance(loaded, tuple) else loaded
+        name = config.get("_class_name")
+        if isinstance(name, (list, tuple)) and list(name)[-1] == cls.__name__:
+            config["_class_name"] = cls.__name__
+        return loaded
 
     @property
     def sample_size(self) -> int:
