@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from diffalign.config import RewardGuardConfig
+from diffalign.report import curve_figure, guard_summary, write_report
 from diffalign.training.guard import RewardGuard
 from diffalign.trends import divergence, t_cdf, t_quantile, trend
 from tests.helpers.tiny_run import FAST_ONE_PROMPT, run_cli, train_records
@@ -204,3 +205,17 @@ def test_the_guard_lowers_the_learning_rate_once(tmp_path, capsys):
     assert records[3]["lr"] == pytest.approx(1.5e-3) and records[4]["lr"] == pytest.approx(1.5e-3)
     assert [r["guard/lr_scale"] for r in records] == [1.0, 1.0, 1.0, 0.5, 0.5]
     assert all(math.isfinite(r["guard/verifier"]) and math.isfinite(r["guard/learned"]) for r in records)
+    text = write_report(out).read_text()  # the reward panel shows both curves; the paragraph says what the guard did
+    assert "**Reward-hacking guard:** verifier `brightness`" in text and "lowered at 4." in text
+    assert (out / "report" / "curves.png").is_file()
+
+
+def test_the_report_panel_draws_the_learned_reward_and_the_verifier():
+    records = [{"iteration": i, "reward_mean": 0.1 * i, "guard/learned": 0.1 * i, "guard/verifier": 0.5 - 0.1 * i,
+                "guard/diverged": int(i == 3)} for i in range(4)]
+    fig = curve_figure(records, [])
+    labels = [line.get_label() for ax in fig.axes for line in ax.get_lines()]
+    assert {"learned reward (trained on)", "verifier (right axis)", "diverged (guard)"} <= set(labels)
+    config = {"train": {"guard": {"verifier": "shapes_eval"}}}
+    assert "never diverged" not in guard_summary(records, config) and "at iterations 4." in guard_summary(records, config)
+    assert guard_summary([{"iteration": 0, "reward_mean": 0.2}], config) is None
