@@ -469,9 +469,11 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path, method: Meth
             seconds, cpu = time.perf_counter() - t, time.process_time() - c
             train_seconds += seconds
             cpu_seconds += cpu
+            record.update(trainer.guard_step(it, record, act=False))  # train.guard: recorded, never acted on in a cell
             trainer.write_metrics({"iteration": it, **record, "seconds": seconds, "cpu_seconds": cpu})
             records.append({"seconds": seconds, "cpu_seconds": cpu,
-                            **{k: record[k] for k in ("reward_mean", "nfe_per_image", "nfe_per_trajectory") if k in record}})
+                            **{k: record[k] for k in ("reward_mean", "nfe_per_image", "nfe_per_trajectory", "guard/learned",
+                                                      "guard/verifier") if k in record}})
             it += 1
             spent = budget.spent(train_seconds, cpu_seconds, it)
             crossed = [f for f in args.marks[len(marks):] if spent >= f * budget.amount - 1e-9]
@@ -516,6 +518,9 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path, method: Meth
         "training_scale": training, "chosen_scale": chosen,
         "prompts": {"heldout": heldout_prompts, "validation": validation_prompts},
         "validation": validation, "marks": marks, "train_reward": [r.get("reward_mean") for r in records],
+        **({"guard": {"verifier": cfg.train.guard.verifier, "learned_key": trainer.learned_reward_key, "every": cfg.train.guard.every,
+                      "learned_reward": [r.get("guard/learned") for r in records],  # None at iterations it did not score
+                      "verifier_reward": [r.get("guard/verifier") for r in records]}} if trainer.guard is not None else {}),
     }
 
 
