@@ -173,8 +173,8 @@ def test_kwargs_without_a_verifier_and_a_method_without_rollouts_are_refused(cap
 
 # DRaFT on the tiny shapes model climbs `darkness` (1 - brightness) by its gradient: the images get
 # darker every iteration, so the learned reward rises while the `brightness` verifier falls.
-HACKED = ["configs/shapes/drft.yaml", "model.id=tiny:shapes", "rollout.prompts_per_iteration=2", "rollout.group_size=4",
-          "train.batch_size=8", "sampling.num_steps=3", "eval.images_per_family=1", "eval.probe=false",
+HACKED = ["configs/shapes/drft.yaml", "model.id=tiny:shapes", "rollout.prompts_per_iteration=1", "rollout.group_size=4",
+          "train.batch_size=4", "sampling.num_steps=2", "eval.images_per_family=1", "eval.probe=false",
           "checkpoint.every=0", "train.mixed_precision=no", "train.channels_last=false", "optim.lr=3e-3",
           "reward.name=tests.helpers.rewards:darkness", "reward.kwargs={}", "train.guard.verifier=brightness",
           "train.guard.window=4", *FAST_ONE_PROMPT]
@@ -193,17 +193,22 @@ def test_the_guard_stops_a_run_whose_judge_disagrees_with_the_verifier(tmp_path,
         assert r["guard/learned"] + r["guard/verifier"] == pytest.approx(1.0, abs=1e-5)
     assert records[-1]["guard/stop"] == 1 and records[-1]["guard/verifier_slope"] < 0 < records[-1]["guard/learned_slope"]
     assert (out / "checkpoints" / "iter-000004").is_dir()
+    # resumed (here with the action relaxed), the run continues the same window: the curves are in the checkpoint
+    assert run_cli("resume", out, "train.guard.action=warn", "max_iterations=5") == 0
+    records = train_records(out)
+    assert [r["iteration"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[4]["guard/diverged"] == 1 and records[4]["guard/verifier_slope"] < 0
 
 
 def test_the_guard_lowers_the_learning_rate_once(tmp_path, capsys):
     out = tmp_path / "run"
-    assert run_cli("train", *HACKED, f"output_dir={out}", "max_iterations=5", "train.guard.action=lower_lr",
+    assert run_cli("train", *HACKED, f"output_dir={out}", "max_iterations=4", "train.guard.action=lower_lr",
                    "train.guard.max_lr_drops=1", "train.guard.lr_factor=0.5") == 0
     assert "learning rate x 0.5 (drop 1 of train.guard.max_lr_drops=1)" in capsys.readouterr().err
     records = train_records(out)
-    assert [r.get("guard/lr_drop") for r in records] == [None, None, None, 1, None]
-    assert records[3]["lr"] == pytest.approx(1.5e-3) and records[4]["lr"] == pytest.approx(1.5e-3)
-    assert [r["guard/lr_scale"] for r in records] == [1.0, 1.0, 1.0, 0.5, 0.5]
+    assert [r.get("guard/lr_drop") for r in records] == [None, None, None, 1]
+    assert "lr" not in records[2] and records[3]["lr"] == pytest.approx(1.5e-3)  # the rate of the iterations that follow
+    assert [r["guard/lr_scale"] for r in records] == [1.0, 1.0, 1.0, 0.5]
     assert all(math.isfinite(r["guard/verifier"]) and math.isfinite(r["guard/learned"]) for r in records)
     text = write_report(out).read_text()  # the reward panel shows both curves; the paragraph says what the guard did
     assert "**Reward-hacking guard:** verifier `brightness`" in text and "lowered at 4." in text
