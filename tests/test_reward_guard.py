@@ -224,3 +224,17 @@ def test_the_report_panel_draws_the_learned_reward_and_the_verifier():
     config = {"train": {"guard": {"verifier": "shapes_eval"}}}
     assert "never diverged" not in guard_summary(records, config) and "at iterations 4." in guard_summary(records, config)
     assert guard_summary([{"iteration": 0, "reward_mean": 0.2}], config) is None
+
+
+@pytest.mark.parametrize("config", ["flow_grpo_sd3", "branch_grpo_sd3", "stepwise_flow_grpo_sd3", "diffusion_nft_sd3", "awm",
+                                    "sol_rl_sd3"])
+def test_the_verifier_scores_the_final_images_the_reward_scores(config, tmp_path):
+    """With the verifier equal to the reward, its mean is the iteration's reward_mean: each recipe hands
+    the guard its rollouts' final images (the leaves of a tree, the real last sample of dense
+    rollouts, the trained stage-two samples of Sol-RL), all of them and nothing else."""
+    out = tmp_path / "run"
+    assert run_cli("train", f"configs/tiny/{config}.yaml", f"output_dir={out}", "max_iterations=1", "reward.name=brightness",
+                   "reward.kwargs={}", "train.guard.verifier=brightness", *FAST_ONE_PROMPT) == 0
+    (record,) = train_records(out)
+    assert record["guard/verifier"] == pytest.approx(record["reward_mean"], abs=1e-6)
+    assert record["guard/learned"] == record["reward_mean"] and record["guard/verifier_images"] == 8
