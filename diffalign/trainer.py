@@ -248,7 +248,7 @@ class Trainer:
             self.log(f"reward-hacking guard at iteration {iteration}: {decision.message}; learning rate x "
                      f"{guard.cfg.lr_factor:g} (drop {guard.lr_drops} of train.guard.max_lr_drops={guard.cfg.max_lr_drops})")
             lr = self.backend.set_lr_factor(self.lr_factor_at(iteration + 1))
-            out.update({"guard/lr_drop": guard.lr_drops, "lr": lr})
+            out.update({"guard/lr_drop": guard.lr_drops, "guard/lr": lr})  # the rate of the iterations that follow
         elif act and decision.action == "stop":
             self._guard_stop = (f"reward-hacking guard stopped the run at iteration {iteration}: {decision.message}; "
                                 "checkpoint at iteration {done} in {run_dir} (train.guard.action=stop)")

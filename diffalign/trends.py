@@ -61,7 +61,8 @@ def trend(xs: Sequence[float], ys: Sequence[float], errors: Optional[Sequence[fl
     """The least-squares slope of ``ys`` on ``xs`` (at least 3 points, at least 2 distinct x).
 
     ``se`` is the larger of the residual standard error ``sqrt(sum r^2 / (n - 2) / Sxx)`` and, when
-    ``errors`` (each point's own standard error) is given, ``sqrt(mean(errors^2) / Sxx)``."""
+    ``errors`` (each point's own standard error) is given, ``sqrt(mean(errors^2) / Sxx)`` over its
+    finite entries (a point of one image has no standard error)."""
     n = len(xs)
     if n != len(ys) or (errors is not None and len(errors) != n):
         raise ValueError(f"trend: {n} x values, {len(ys)} y values" + ("" if errors is None else f", {len(errors)} errors"))
@@ -74,8 +75,9 @@ def trend(xs: Sequence[float], ys: Sequence[float], errors: Optional[Sequence[fl
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys))
     se = math.sqrt(residual / (n - 2) / sxx)
-    if errors is not None:
-        se = max(se, math.sqrt(sum(e * e for e in errors) / n / sxx))
+    known = [e for e in errors if math.isfinite(e)] if errors is not None else []
+    if known:
+        se = max(se, math.sqrt(sum(e * e for e in known) / len(known) / sxx))
     return Trend(slope, se, n, float(min(xs)), float(max(xs)))
 
 
@@ -147,7 +149,7 @@ def divergence(iterations: Sequence[float], learned: Sequence[float], verifier: 
                min_drop: float, confidence: float, verifier_errors: Optional[Sequence[float]] = None) -> Optional[Divergence]:
     """The divergence test (module docstring) on the last ``window`` points at which both curves are
     finite; None while fewer than ``window`` such points exist. ``verifier_errors``: each point's
-    standard error of the verifier's mean (optional; non-finite ones are ignored)."""
+    standard error of the verifier's mean (optional; non-finite ones are ignored, see :func:`trend`)."""
     if window < MIN_WINDOW:
         raise ValueError(f"divergence: window must be >= {MIN_WINDOW}, got {window}")
     errors = verifier_errors if verifier_errors is not None else [math.nan] * len(iterations)
@@ -156,7 +158,6 @@ def divergence(iterations: Sequence[float], learned: Sequence[float], verifier: 
     if len(points) < window:
         return None
     xs = [p[0] for p in points]
-    finite_errors = [p[3] for p in points if math.isfinite(p[3])]
-    errs = finite_errors if verifier_errors is not None and len(finite_errors) == len(points) else None
     q = t_quantile(confidence, window - 2)
-    return Divergence(trend(xs, [p[1] for p in points]), trend(xs, [p[2] for p in points], errs), q, min_drop, confidence)
+    return Divergence(trend(xs, [p[1] for p in points]), trend(xs, [p[2] for p in points], [p[3] for p in points]), q,
+                      min_drop, confidence)

@@ -28,6 +28,7 @@ def test_trend_on_hand_computed_points():
     assert exact.slope == pytest.approx(-0.5) and exact.se == pytest.approx(0.0)
     # known sampling errors of the points bound the slope's error from below: sqrt(mean(e^2) / Sxx)
     assert trend([2, 4, 6], [1.0, 0.0, -1.0], errors=[0.2, 0.2, 0.2]).se == pytest.approx(0.2 / math.sqrt(8))
+    assert trend([2, 4, 6], [1.0, 0.0, -1.0], errors=[0.2, math.nan, 0.2]).se == pytest.approx(0.2 / math.sqrt(8))
     with pytest.raises(ValueError):
         trend([1, 1, 1], [0, 1, 2])
 
@@ -202,13 +203,14 @@ def test_the_guard_stops_a_run_whose_judge_disagrees_with_the_verifier(tmp_path,
 
 def test_the_guard_lowers_the_learning_rate_once(tmp_path, capsys):
     out = tmp_path / "run"
-    assert run_cli("train", *HACKED, f"output_dir={out}", "max_iterations=4", "train.guard.action=lower_lr",
+    assert run_cli("train", *HACKED, f"output_dir={out}", "max_iterations=5", "train.guard.action=lower_lr",
                    "train.guard.max_lr_drops=1", "train.guard.lr_factor=0.5") == 0
     assert "learning rate x 0.5 (drop 1 of train.guard.max_lr_drops=1)" in capsys.readouterr().err
     records = train_records(out)
-    assert [r.get("guard/lr_drop") for r in records] == [None, None, None, 1]
-    assert "lr" not in records[2] and records[3]["lr"] == pytest.approx(1.5e-3)  # the rate of the iterations that follow
-    assert [r["guard/lr_scale"] for r in records] == [1.0, 1.0, 1.0, 0.5]
+    assert [r.get("guard/lr_drop") for r in records] == [None, None, None, 1, None]
+    assert records[3]["guard/lr"] == pytest.approx(1.5e-3)  # the rate of the iterations that follow ...
+    assert "lr" not in records[3] and records[4]["lr"] == pytest.approx(1.5e-3)  # ... as the next one ran with it
+    assert [r["guard/lr_scale"] for r in records] == [1.0, 1.0, 1.0, 0.5, 0.5]
     assert all(math.isfinite(r["guard/verifier"]) and math.isfinite(r["guard/learned"]) for r in records)
     text = write_report(out).read_text()  # the reward panel shows both curves; the paragraph says what the guard did
     assert "**Reward-hacking guard:** verifier `brightness`" in text and "lowered at 4." in text

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 import reward_models
+from diffalign.config import RewardGuardConfig
 from diffalign.images import prompt_metadata
 from diffalign.trends import Divergence, divergence
 
@@ -42,7 +43,7 @@ class RewardGuard:
     reward (``images, prompts, metadata -> (B,)``); ``learned_key``: the iteration record's key of
     the learned reward (``reward_mean``, or a judge's score such as ``drm_score_mean``)."""
 
-    cfg: object
+    cfg: RewardGuardConfig
     verifier: Callable
     learned_key: str
     iterations: list[int] = field(default_factory=list)
