@@ -229,7 +229,7 @@ def test_the_report_panel_draws_the_learned_reward_and_the_verifier():
 
 
 @pytest.mark.parametrize("config", ["flow_grpo_sd3", "branch_grpo_sd3", "stepwise_flow_grpo_sd3", "diffusion_nft_sd3", "awm",
-                                    "sol_rl_sd3"])
+                                    "sol_rl_sd3", "raft_sd3"])
 def test_the_verifier_scores_the_final_images_the_reward_scores(config, tmp_path):
     """With the verifier equal to the reward, its mean is the iteration's reward_mean: each recipe hands
     the guard its rollouts' final images (the leaves of a tree, the real last sample of dense
