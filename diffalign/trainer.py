@@ -239,31 +239,32 @@ class Trainer:
         sums = torch.tensor(guard.local_sums(), dtype=torch.float64)
         if self.accelerator.num_processes > 1:
             sums = self.accelerator.reduce(sums.to(self.device), reduction="sum").cpu()
-        decision = guard.close(iteration, record.get(self.learned_reward_key, float("nan")), sums.tolist())
+        done = iteration + 1  # the curves count iterations done, as the log's "iteration k/N" lines and the report
+        decision = guard.close(done, record.get(self.learned_reward_key, float("nan")), sums.tolist())
         self.stats["guard_nonfinite"] = guard.nonfinite
         out = dict(decision.record)
         if act and decision.action == "warn":
-            self.log(f"warning: reward-hacking guard at iteration {iteration}: {decision.message}")
+            self.log(f"warning: reward-hacking guard after iteration {done}: {decision.message}")
         elif act and decision.action == "lower_lr":
-            self.log(f"reward-hacking guard at iteration {iteration}: {decision.message}; learning rate x "
+            self.log(f"reward-hacking guard after iteration {done}: {decision.message}; learning rate x "
                      f"{guard.cfg.lr_factor:g} (drop {guard.lr_drops} of train.guard.max_lr_drops={guard.cfg.max_lr_drops})")
             lr = self.backend.set_lr_factor(self.lr_factor_at(iteration + 1))
             out.update({"guard/lr_drop": guard.lr_drops, "guard/lr": lr})  # the rate of the iterations that follow
         elif act and decision.action == "stop":
-            self._guard_stop = (f"reward-hacking guard stopped the run at iteration {iteration}: {decision.message}; "
-                                "checkpoint at iteration {done} in {run_dir} (train.guard.action=stop)")
+            self._guard_stop = (f"reward-hacking guard stopped the run after iteration {done}: {decision.message}; "
+                                f"checkpoint at iteration {done} in {self.run_dir} (train.guard.action=stop)")
             out["guard/stop"] = 1
         out["guard/lr_scale"] = guard.lr_scale
         return out
 
     def stop_if_guarded(self, done: int) -> None:
-        """After :meth:`guard_step` decided to stop: a checkpoint at ``done`` iterations, then
+        """After :meth:`guard_step` decided to stop: a checkpoint after ``done`` iterations, then
         :class:`~diffalign.errors.GuardStop` with the message naming both trends."""
         if self._guard_stop is None:
             return
         if self._saved_iteration != done:
             self.save_checkpoint(done)
-        raise GuardStop(self._guard_stop.format(done=done, run_dir=self.run_dir))
+        raise GuardStop(self._guard_stop)
 
     def check_rewards(self, rewards: torch.Tensor, iteration: int) -> torch.Tensor:
         """Count non-finite rewards; stop (``reward.nonfinite=error``) or leave them for masking."""

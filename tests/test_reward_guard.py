@@ -185,8 +185,8 @@ def test_the_guard_stops_a_run_whose_judge_disagrees_with_the_verifier(tmp_path,
     out = tmp_path / "run"
     assert run_cli("train", *HACKED, f"output_dir={out}", "max_iterations=8", "train.guard.action=stop") == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: reward-hacking guard stopped the run at iteration 3")
-    assert "(reward_mean) rose +" in err and "(brightness) fell -" in err and "checkpoint at iteration 4" in err
+    assert err.startswith("error: reward-hacking guard stopped the run after iteration 4: the learned reward (reward_mean) rose +")
+    assert "(brightness) fell -" in err and "over iterations 1-4" in err and "checkpoint at iteration 4" in err
     records = train_records(out)
     assert [r["iteration"] for r in records] == [0, 1, 2, 3]
     for r in records:  # both scores on every iteration: the learned one is the reward, here 1 - the verifier

@@ -81,7 +81,8 @@ class RewardGuard:
 
     # ---- after the iteration ------------------------------------------------------------------
     def close(self, iteration: int, learned: float, sums: list[float]) -> GuardDecision:
-        """Append the iteration's point (``sums``: :meth:`local_sums` summed over processes) and test the window."""
+        """Append the iteration's point at x = ``iteration`` (the trainer passes iterations done) and
+        test the window; ``sums``: :meth:`local_sums` summed over processes."""
         self._scores = []
         total, squares, n = sums
         mean = total / n if n > 0 else math.nan
