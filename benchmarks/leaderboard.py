@@ -15,6 +15,8 @@ Cells
     process's CPU time while training (all of its threads; a fair budget when another job shares
     the machine, which a wall-clock budget is not), or ``--iterations``. Every cell records all
     three, and the rollout images, whatever its budget.
+    A cell whose recipe sets a verifier (``train.guard``, docs/reward_hacking.md) also stores its
+    training curve beside the learned reward's, under ``guard``; the guard never acts in a cell.
     At each ``--marks`` fraction of that budget (the end, 1, is always one) the current weights are
     evaluated on the held-out prompts at the recipe's training CFG scale. At the last mark the
     weights are also evaluated on the validation prompts (``prompt_set("validation")``) at every
