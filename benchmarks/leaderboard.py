@@ -15,6 +15,8 @@ Cells
     process's CPU time while training (all of its threads; a fair budget when another job shares
     the machine, which a wall-clock budget is not), or ``--iterations``. Every cell records all
     three, and the rollout images, whatever its budget.
+    A cell whose recipe sets a verifier (``train.guard``, docs/reward_hacking.md) also stores its
+    training curve beside the learned reward's, under ``guard``; the guard never acts in a cell.
     At each ``--marks`` fraction of that budget (the end, 1, is always one) the current weights are
     evaluated on the held-out prompts at the recipe's training CFG scale. At the last mark the
     weights are also evaluated on the validation prompts (``prompt_set("validation")``) at every
@@ -469,9 +471,11 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path, method: Meth
             seconds, cpu = time.perf_counter() - t, time.process_time() - c
             train_seconds += seconds
             cpu_seconds += cpu
+            record.update(trainer.guard_step(it, record, act=False))  # train.guard: recorded, never acted on in a cell
             trainer.write_metrics({"iteration": it, **record, "seconds": seconds, "cpu_seconds": cpu})
             records.append({"seconds": seconds, "cpu_seconds": cpu,
-                            **{k: record[k] for k in ("reward_mean", "nfe_per_image", "nfe_per_trajectory") if k in record}})
+                            **{k: record[k] for k in ("reward_mean", "nfe_per_image", "nfe_per_trajectory", "guard/learned",
+                                                      "guard/verifier") if k in record}})
             it += 1
             spent = budget.spent(train_seconds, cpu_seconds, it)
             crossed = [f for f in args.marks[len(marks):] if spent >= f * budget.amount - 1e-9]
@@ -516,6 +520,9 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path, method: Meth
         "training_scale": training, "chosen_scale": chosen,
         "prompts": {"heldout": heldout_prompts, "validation": validation_prompts},
         "validation": validation, "marks": marks, "train_reward": [r.get("reward_mean") for r in records],
+        **({"guard": {"verifier": cfg.train.guard.verifier, "learned_key": trainer.learned_reward_key, "every": cfg.train.guard.every,
+                      "learned_reward": [r.get("guard/learned") for r in records],  # None at iterations it did not score
+                      "verifier_reward": [r.get("guard/verifier") for r in records]}} if trainer.guard is not None else {}),
     }
 
 

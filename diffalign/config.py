@@ -19,6 +19,7 @@ from typing import ClassVar, Literal, Optional, Sequence
 
 from diffalign import recipes
 from diffalign.errors import ConfigError
+from diffalign.trends import MIN_WINDOW
 
 # --------------------------------------------------------------------------------------------
 # Sections
@@ -211,6 +212,36 @@ class EmaConfig:
         check(self.every >= 1, "train.ema.every", "must be >= 1")
 
 
+GUARD_ACTIONS = ("warn", "lower_lr", "stop")
+
+
+@dataclass
+class RewardGuardConfig:
+    """``train.guard``: a verifier scores the rollouts' final images beside the learned reward, and
+    a divergence of the two acts (diffalign.trends, docs/reward_hacking.md)."""
+
+    verifier: str = ""  # reward name or dotted path scoring the final images (e.g. shapes_eval); "" = no guard
+    verifier_kwargs: dict = field(default_factory=dict)  # passed to the verifier's factory
+    every: int = 1  # score the verifier every N iterations (its cost; the window counts scored iterations)
+    window: int = 8  # W: scored iterations in the trend window (>= 4: a slope's error needs 2 degrees of freedom)
+    confidence: float = 0.95  # one-sided confidence that the learned reward rises and the verifier falls
+    min_drop: float = 0.05  # the verifier's fitted fall over the window must reach this (its units)
+    action: Literal["warn", "lower_lr", "stop"] = "warn"  # on divergence: log, multiply the lr, or checkpoint and stop
+    lr_factor: float = 0.5  # action=lower_lr: the learning rate is multiplied by this ...
+    max_lr_drops: int = 2  # ... at most this many times in a run (then divergences only warn)
+
+    def validate(self) -> None:
+        check(self.every >= 1, "train.guard.every", "must be >= 1")
+        check(self.window >= MIN_WINDOW, "train.guard.window", f"must be >= {MIN_WINDOW} (a slope's standard error needs 2 degrees of freedom)")
+        check(0.5 < self.confidence < 1, "train.guard.confidence", "must be in (0.5, 1)")
+        check(math.isfinite(self.min_drop) and self.min_drop >= 0, "train.guard.min_drop", "must be >= 0")
+        check(self.action in GUARD_ACTIONS, "train.guard.action", f"must be one of {', '.join(GUARD_ACTIONS)}")
+        check(0 < self.lr_factor < 1, "train.guard.lr_factor", "must be in (0, 1) (it lowers the learning rate)")
+        check(self.max_lr_drops >= 1, "train.guard.max_lr_drops", "must be >= 1")
+        if not self.verifier:
+            check(not self.verifier_kwargs, "train.guard.verifier_kwargs", "needs train.guard.verifier (the reward they configure)")
+
+
 def native_bf16(device, cpu_flags: set[str] | None = None) -> bool:
     """Does ``device`` compute bf16 natively? CUDA: ``torch.cuda.is_bf16_supported()``; CPU: the
     AVX512-BF16 or AMX-BF16 instruction sets (``cpu_flags``, read from /proc/cpuinfo by default)."""
@@ -257,6 +288,7 @@ class TrainConfig:
     # configs/accelerate/fsdp.yaml (fsdp_version: 2) sets it. Recipes with supports_fsdp only.
     fsdp: bool = False
     attention: Literal["default", "xformers"] = "default"  # xformers: memory-efficient attention (CUDA + xformers)
+    guard: RewardGuardConfig = field(default_factory=RewardGuardConfig)  # reward-hacking guard (docs/reward_hacking.md)
 
     def resolved_mixed_precision(self, device: "torch.device") -> str:
         """``mixed_precision`` with "auto" decided for ``device`` (see :func:`native_bf16`)."""
@@ -271,6 +303,7 @@ class TrainConfig:
         check(self.optimizer_steps_per_iteration >= 1, "train.optimizer_steps_per_iteration", "must be >= 1")
         check(self.inner_epochs >= 1, "train.inner_epochs", "must be >= 1")
         self.ema.validate()
+        self.guard.validate()
 
 
 MIN_GUIDANCE_SCALE = 1.0  # CFG 1 = no guidance; below it the guidance points away from the prompt
@@ -402,6 +435,11 @@ class AlgorithmConfig:
         group (``metadata["group"]``), so that a reward comparing the images of a group (``pairwise``)
         can train it."""
         return False
+
+    def rollout_images(self) -> bool:
+        """Whether the method samples images from the policy during training (final images a
+        verifier can score: ``train.guard``); False for methods trained on offline data."""
+        return True
 
     def needs_differentiable_reward(self) -> bool:
         """Whether the loss backpropagates through the reward (DRaFT, ReFL): the trainer then
@@ -549,6 +587,8 @@ class RunConfig:
     def validate(self) -> None:
         check(self.max_iterations >= 0, "max_iterations", "must be >= 0")
         self.algorithm.validate("algorithm")
+        check(not self.train.guard.verifier or self.algorithm.rollout_images(), "train.guard.verifier",
+              f"needs rollouts, and {self.algorithm.name} trains on offline data without sampling any")
         check(bool(self.output_dir), "output_dir", "must not be empty")
         if self.eval.best_scale:
             check(self.prompts.source == "shapes", "eval.best_scale",

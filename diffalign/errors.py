@@ -30,6 +30,11 @@ class NonFiniteError(DiffalignError):
     """Too many non-finite rewards or losses were seen; the run stops instead of propagating them."""
 
 
+class GuardStop(DiffalignError):
+    """The reward-hacking guard (``train.guard.action=stop``) saw the learned reward rise while its
+    verifier fell; the run wrote a checkpoint and stopped. The message names both trends."""
+
+
 class Interrupted(Exception):
     """Training stopped on SIGINT / SIGTERM after finishing its iteration and writing a checkpoint.
     ``exit_code`` is 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM)."""

@@ -12,7 +12,10 @@ eval reward image by image (:func:`diffalign.stats.paired_difference`); without 
 change of the mean, stated as without interval.
 
 A training-reward drift (the last window of iterations below the best earlier window by more
-than noise, :func:`reward_drift`) is flagged in one line below the verdict.
+than noise, :func:`reward_drift`) is flagged in one line below the verdict. A run with the
+reward-hacking guard (``train.guard``) shows the learned reward and the verifier in the reward
+panel (the verifier on its own axis, divergences marked) and says in one paragraph what the guard
+saw (:func:`guard_summary`).
 """
 
 from __future__ import annotations
@@ -124,13 +127,21 @@ def curve_figure(records: Sequence[dict], evals: Sequence[dict], drift: RewardDr
     # one iteration axis for both panels: evaluations at 0 (before training) .. N, iteration k's reward at k
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharex=True)
     its = [iterations_done(r) for r in records]
-    axes[0].plot(its, [r.get("reward_mean") for r in records], marker="o", ms=3, label="train reward (mean)")
+    guarded = [r for r in records if "guard/verifier" in r]
+    if guarded:  # the reward-hacking guard: the learned reward the method trains on, and the verifier
+        axes[0].plot([iterations_done(r) for r in guarded], [r.get("guard/learned") for r in guarded], marker="o", ms=3,
+                     label="learned reward (trained on)")
+    else:
+        axes[0].plot(its, [r.get("reward_mean") for r in records], marker="o", ms=3, label="train reward (mean)")
     if drift is not None and drift.flagged:
         for (a, b), colour, name in ((drift.best, "C2", "best window"), (drift.last, "C3", "last window")):
             axes[0].axvspan(a - 0.5, b + 0.5, color=colour, alpha=0.12, lw=0, label=name)
+    if guarded:
+        _plot_verifier(axes[0], guarded)
+    elif drift is not None and drift.flagged:
         axes[0].legend(fontsize=7, loc="best")
     axes[0].set_xlabel("iteration")
-    axes[0].set_title("training reward")
+    axes[0].set_title("learned reward and verifier" if guarded else "training reward")
     axes[0].grid(alpha=0.3)
     ax = axes[1]
     points = _accuracy_points(evals)
@@ -155,6 +166,46 @@ def curve_figure(records: Sequence[dict], evals: Sequence[dict], drift: RewardDr
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     return fig
+
+
+def _plot_verifier(ax, guarded: Sequence[dict]) -> None:
+    """The guard's verifier on a second axis of the training-reward panel (its own units), with the
+    iterations where the two curves diverged marked, and one legend for both axes."""
+    twin = ax.twinx()
+    x = [iterations_done(r) for r in guarded]
+    twin.plot(x, [r.get("guard/verifier") for r in guarded], marker="s", ms=3, color="C4", label="verifier (right axis)")
+    bad = [r for r in guarded if r.get("guard/diverged")]
+    if bad:
+        twin.plot([iterations_done(r) for r in bad], [r["guard/verifier"] for r in bad], "x", ms=7, color="C3",
+                  label="diverged (guard)")
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = twin.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, fontsize=7, loc="best")
+
+
+def guard_summary(records: Sequence[dict], config: dict) -> str | None:
+    """One paragraph on the reward-hacking guard (``train.guard``): the verifier's first and last
+    score beside the learned reward's, the iterations where the two diverged and what the guard did
+    (numbered as the curves, :func:`iterations_done`); None when the run had no verifier."""
+    guarded = [r for r in records if _number(r.get("guard/verifier")) and _number(r.get("guard/learned"))]
+    if not guarded:
+        return None
+    guard = ((config.get("train") or {}).get("guard") or {})
+    first, last = guarded[0], guarded[-1]
+    text = (f"**Reward-hacking guard:** verifier `{guard.get('verifier', '?')}` on the rollouts' final images "
+            f"{first['guard/verifier']:.3f} -> {last['guard/verifier']:.3f} (iterations {iterations_done(first)}-{iterations_done(last)}) "
+            f"while the learned reward went {first['guard/learned']:.3f} -> {last['guard/learned']:.3f}.")
+    diverged = [iterations_done(r) for r in records if r.get("guard/diverged")]
+    if diverged:
+        drops = [iterations_done(r) for r in records if r.get("guard/lr_drop")]
+        text += (f" The learned reward rose while the verifier fell (train.guard's rule) at iterations "
+                 f"{', '.join(map(str, diverged))}")
+        text += f"; the learning rate was lowered at {', '.join(map(str, drops))}." if drops else "."
+        if any(r.get("guard/stop") for r in records):
+            text += f" The guard stopped the run after iteration {diverged[-1]}."
+    else:
+        text += " The two never diverged by the guard's rule."
+    return text
 
 
 def _plot_curves(records: list[dict], evals: list[dict], path: Path, drift: RewardDrift | None) -> None:
@@ -369,6 +420,9 @@ def write_report(run_dir: str | Path) -> Path:
         lines += [best, ""]
     if drift is not None and drift.flagged:
         lines += [drift.format(), ""]
+    guard = guard_summary(records, config)
+    if guard is not None:
+        lines += [guard, ""]
     meta_file = run_dir / "final" / "diffalign.json"
     if meta_file.exists():
         meta = json.loads(meta_file.read_text())

@@ -26,7 +26,7 @@ from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
 from diffalign.config_files import dump_config, to_dict
-from diffalign.errors import ConfigError, DiffalignError, Interrupted
+from diffalign.errors import ConfigError, DiffalignError, GuardStop, Interrupted
 from diffalign.images import prompt_metadata, prompt_record
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.report import write_report
@@ -34,6 +34,7 @@ from diffalign.sampling import build_kernel
 from diffalign.training import checkpoints, evaluator, groups, metrics, tracking
 from diffalign.training.backend import Backend, OptimizerStep, allow_precision, lr_factor
 from diffalign.training.checks import check_config, check_on_policy, max_log_ratio
+from diffalign.training.guard import RewardGuard
 from diffalign.training.interrupts import StopSignals
 from diffalign.training.policy import prepare_denoiser
 from diffalign.training.rewards import RewardFailures, RewardPool, call_with_retries, reward_info
@@ -61,6 +62,10 @@ class Trainer:
     #: the update loop keeps every process's forwards in lockstep (``lockstep_counts``): FSDP may shard it
     supports_fsdp = False
 
+    #: the iteration record's key of the reward the method trains on, which the reward-hacking guard
+    #: (``train.guard``) sets beside its verifier; a method trained on a judge's score names that score
+    learned_reward_key = "reward_mean"
+
     def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, allow_config_change: bool = False,
                  log: Callable[[str], None] | None = None):
         self.cfg = cfg
@@ -76,6 +81,8 @@ class Trainer:
         self._saved_iteration: Optional[int] = None  # the iteration of the last checkpoint written (or resumed from)
         self._updated_in_iteration = False  # an optimizer step was taken in this iteration (guarded_iteration)
         self.finished: Optional[int] = None  # a resumed run that had already finished: the iterations it trained
+        self.guard: Optional[RewardGuard] = None  # train.guard with a verifier (built in setup)
+        self._guard_stop: Optional[str] = None  # the guard's stop message, carried out after the iteration's record
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -120,6 +127,9 @@ class Trainer:
         if self.device.type != "cpu" and cfg.reward.name:
             # rebuild on the accelerator when it has one (rewards take a device argument)
             self.reward_fn = reward_models.build(cfg.reward.name, device=str(self.device), **cfg.reward.kwargs)
+        if cfg.train.guard.verifier:
+            verifier = reward_models.build(cfg.train.guard.verifier, device=str(self.device), **cfg.train.guard.verifier_kwargs)
+            self.guard = RewardGuard(cfg.train.guard, verifier, self.learned_reward_key)
         self.reward_pool = RewardPool(self.score, asynchronous=cfg.reward.async_, reward_name=cfg.reward.name,
                                       nonfinite=cfg.reward.nonfinite, stats=self.stats,
                                       groupwise=reward_models.is_groupwise(self.reward_fn))
@@ -209,6 +219,53 @@ class Trainer:
             group_size = self.cfg.rollout.group_size
         return self.reward_pool.submit(images, prompts, groups, group_size)
 
+    def guard_finals(self, images: torch.Tensor, prompts: list[str], iteration: int) -> None:
+        """Hand the final images ``(B, 3, H, W)`` of this iteration's rollouts (in [0, 1]) to the
+        reward-hacking guard's verifier (``train.guard``; only at the iterations it scores). Every
+        recipe that samples calls it where its final images exist."""
+        if self.guard is not None and self.guard.scores_at(iteration):
+            self.guard.observe(images, prompts)
+
+    def guard_step(self, iteration: int, record: dict, *, act: bool = True) -> dict:
+        """After an iteration the verifier scored: its mean over processes beside the learned reward
+        (``record[learned_reward_key]``), the divergence test on the window, and (``act``) the
+        action: a warning, a lower learning rate, or a checkpoint and :class:`GuardStop`. Returns the
+        ``guard/*`` keys for the record ({} without a guard or at an iteration it does not score).
+        A stop is carried out by :meth:`stop_if_guarded` once the record is written. A collective:
+        every process calls it."""
+        guard = self.guard
+        if guard is None or not guard.scores_at(iteration):
+            return {}
+        sums = torch.tensor(guard.local_sums(), dtype=torch.float64)
+        if self.accelerator.num_processes > 1:
+            sums = self.accelerator.reduce(sums.to(self.device), reduction="sum").cpu()
+        done = iteration + 1  # the curves count iterations done, as the log's "iteration k/N" lines and the report
+        decision = guard.close(done, record.get(self.learned_reward_key, float("nan")), sums.tolist())
+        self.stats["guard_nonfinite"] = guard.nonfinite
+        out = dict(decision.record)
+        if act and decision.action == "warn":
+            self.log(f"warning: reward-hacking guard after iteration {done}: {decision.message}")
+        elif act and decision.action == "lower_lr":
+            self.log(f"reward-hacking guard after iteration {done}: {decision.message}; learning rate x "
+                     f"{guard.cfg.lr_factor:g} (drop {guard.lr_drops} of train.guard.max_lr_drops={guard.cfg.max_lr_drops})")
+            lr = self.backend.set_lr_factor(self.lr_factor_at(iteration + 1))
+            out.update({"guard/lr_drop": guard.lr_drops, "guard/lr": lr})  # the rate of the iterations that follow
+        elif act and decision.action == "stop":
+            self._guard_stop = (f"reward-hacking guard stopped the run after iteration {done}: {decision.message}; "
+                                f"checkpoint at iteration {done} in {self.run_dir} (train.guard.action=stop)")
+            out["guard/stop"] = 1
+        out["guard/lr_scale"] = guard.lr_scale
+        return out
+
+    def stop_if_guarded(self, done: int) -> None:
+        """After :meth:`guard_step` decided to stop: a checkpoint after ``done`` iterations, then
+        :class:`~diffalign.errors.GuardStop` with the message naming both trends."""
+        if self._guard_stop is None:
+            return
+        if self._saved_iteration != done:
+            self.save_checkpoint(done)
+        raise GuardStop(self._guard_stop)
+
     def check_rewards(self, rewards: torch.Tensor, iteration: int) -> torch.Tensor:
         """Count non-finite rewards; stop (``reward.nonfinite=error``) or leave them for masking."""
         return self.reward_pool.check(rewards, iteration)
@@ -250,6 +307,8 @@ class Trainer:
         the random streams go back to where the iteration began and a checkpoint is written there,
         so that ``diffalign resume`` repeats the iteration exactly once the reward works again."""
         self._updated_in_iteration = False
+        if self.guard is not None:
+            self.guard.begin()
         boundary = checkpoints.stream_state(self)
         try:
             return self.iteration(it)
@@ -374,10 +433,16 @@ class Trainer:
         """Set this iteration's learning rate from ``optim.lr_schedule`` / ``warmup_iterations``;
         returns it, or None when the rate is constant (the optimizer is left untouched)."""
         opt = self.cfg.optim
-        if opt.lr_schedule == "constant" and opt.warmup_iterations == 0:
+        if opt.lr_schedule == "constant" and opt.warmup_iterations == 0 and (self.guard is None or self.guard.lr_drops == 0):
             return None
+        return self.backend.set_lr_factor(self.lr_factor_at(iteration))
+
+    def lr_factor_at(self, iteration: int) -> float:
+        """The multiplier of ``optim.lr`` at ``iteration``: the schedule's, times the reward-hacking
+        guard's (``train.guard.lr_factor`` per drop)."""
+        opt = self.cfg.optim
         factor = lr_factor(iteration, self.cfg.max_iterations, opt.lr_schedule, opt.warmup_iterations, opt.min_lr_fraction)
-        return self.backend.set_lr_factor(factor)
+        return factor * (self.guard.lr_scale if self.guard is not None else 1.0)
 
     def _train_loop(self) -> dict:
         cfg = self.cfg
@@ -397,9 +462,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 lr = self.apply_lr_schedule(it)
                 record = self.guarded_iteration(it)
-                record = {"iteration": it, **record, "seconds": time.perf_counter() - t0, **{k: v for k, v in self.stats.items()}}
+                record = {"iteration": it, **record, "seconds": time.perf_counter() - t0}
                 if lr is not None:
                     record["lr"] = lr
+                record.update(self.guard_step(it, record))
+                record.update(self.stats)
                 self.write_metrics(record)
                 bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}", loss=f"{record.get('loss', float('nan')):.4f}",
                                 refresh=False)
@@ -408,6 +475,9 @@ class Trainer:
                     self.log(f"  iteration {it + 1}/{cfg.max_iterations}: reward {record.get('reward_mean', float('nan')):.3f}, "
                              f"{record['seconds']:.1f} s")
                 done = it + 1
+                if self._guard_stop is not None:  # train.guard.action=stop: a checkpoint, then GuardStop
+                    bar.close()
+                    self.stop_if_guarded(done)
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.max_iterations:
                     last_eval = self.evaluate(done)
                     self.write_metrics(last_eval)

@@ -20,7 +20,8 @@ PACKAGES = ("diffalign", "reward_models", "schedulers")
 # its layer is that of the longest prefix listed here.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("diffalign", "diffalign.errors", "diffalign.faults", "diffalign.state_files", "diffalign.stats",
-                     "diffalign.images", "diffalign.progress", "diffalign.shipped", "diffalign.runs")),
+                     "diffalign.images", "diffalign.progress", "diffalign.shipped", "diffalign.runs",
+                     "diffalign.trends")),
     ("kernels: step kernels and method math on tensors", ("schedulers", "diffalign.algorithms")),
     ("the embedded world and model", ("diffalign.shapes",)),
     ("models and sampling", ("diffalign.adapters", "diffalign.forward_process", "diffalign.sampling", "diffalign.sol_rl")),

@@ -334,6 +334,9 @@ def test_step_grpo_end_to_end_best_then_random_continuation(repo_root, tmp_path,
     assert rec["trained_terms"] == 2 * 2 * 3 and rec["kept_frac"] == 1.0  # a random head: the k scores differ
     assert rec["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and rec["optimizer_steps"] == 1  # one micro-batch of 4 states
     assert "reward/acc/overall" in rec and len(records) == 2  # ShapesEval monitors the finals
+    # the recipe's train.guard: ShapesEval on the chains' finals beside the DRM's score of the candidates
+    assert rec["guard/learned"] == rec["drm_score_mean"] and rec["guard/verifier_images"] == 2
+    assert rec["guard/verifier"] == pytest.approx(rec["reward_mean"])  # the same ShapesEval on the same images
     assert (tmp_path / "r" / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 

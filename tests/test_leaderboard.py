@@ -171,6 +171,9 @@ def test_leaderboard_sitting_end_to_end(board, tmp_path, capsys, monkeypatch):
     assert (tmp_path / "prep" / "drm_step_grpo" / "judge").is_dir() and prep["seconds"] > 0
     assert judged["prep_seconds"] == pytest.approx(prep["seconds"])
     assert judged["config"]["reward"]["kwargs"]["path"] == str(tmp_path / "prep" / "drm_step_grpo" / "judge")
+    guard = judged["guard"]  # the recipe's train.guard: ShapesEval's training curve beside the DRM's
+    assert guard["verifier"] == "shapes_eval" and guard["learned_key"] == "drm_score_mean"
+    assert len(guard["verifier_reward"]) == len(guard["learned_reward"]) == judged["iterations"]
 
 
 def test_every_method_loads_as_a_config(board, tmp_path):

@@ -339,7 +339,7 @@ def test_train_spm_cli_writes_model_and_accuracy_curve(repo_root, tmp_path, caps
 def test_spo_trains_on_tiny_sd15(repo_root, tmp_path):
     out = tmp_path / "run"
     code = run_cli("train", TINY_SPO, f"output_dir={out}", "max_iterations=2", "sampling.num_steps=4",
-                   "algorithm.num_candidates=3", *FAST)
+                   "algorithm.num_candidates=3", "train.guard.verifier=brightness", "train.guard.every=2", *FAST)
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if not r.get("eval")]
@@ -350,6 +350,9 @@ def test_spo_trains_on_tiny_sd15(repo_root, tmp_path):
     assert first["ratio_win"] == pytest.approx(1.0, abs=1e-4) and first["loss"] == pytest.approx(math.log(2), abs=1e-3)
     for key in ("spm_score_mean", "kept_frac", "margin_mean", "clip_frac", "implicit_acc", "reward_mean", "nfe_per_trajectory"):
         assert key in first, key
+    # train.guard: the verifier scores the continued trajectories' finals beside the SPM's score (every 2nd iteration)
+    assert first["guard/learned"] == first["spm_score_mean"] and first["guard/verifier_images"] == 2  # 1 prompt x 2
+    assert "guard/verifier" not in train[1]
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 

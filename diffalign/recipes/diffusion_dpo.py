@@ -60,6 +60,9 @@ class DiffusionDPOConfig(AlgorithmConfig):
         check(0.0 <= self.tau_min < self.tau_max <= 1.0, "algorithm.tau_min", "and algorithm.tau_max must satisfy 0 <= tau_min < tau_max <= 1")
         super().validate(prefix)
 
+    def rollout_images(self) -> bool:  # trained on a fixed set of pairs, generated once or read from a file
+        return False
+
 
 class DiffusionDPOTrainer(Trainer):
     supports_fsdp = True  # every process runs the same micro-batches (a slice of one global draw)

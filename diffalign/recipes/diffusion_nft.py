@@ -228,6 +228,7 @@ class DiffusionNFTTrainer(Trainer):
             x0, images, rewards, info = sample_and_score(self, embeds, local_seeds, sample_prompts, num_steps=s.num_steps,
                                                          guidance_scale=s.guidance_scale, batch_size=cfg.rollout.sample_batch_size,
                                                          groups=torch.arange(first, first + n_local) // group)
+        self.guard_finals(images, sample_prompts, iteration)  # train.guard's verifier
         info = self.gather_info(info)
         info["time/rollout"] = time.perf_counter() - t0
         return SeededSamples(x0, images, embeds, sample_prompts, local_seeds, torch.arange(first, first + n_local), n_global, rewards, info)

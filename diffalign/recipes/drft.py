@@ -168,6 +168,7 @@ class DrftTrainer(Trainer):
                 n_rep = len(latents) // len(rows)  # lv_samples for DRaFT-LV, else 1
                 prompts = [plan.sample_prompts[int(r)] for r in rows for _ in range(n_rep)]
                 images = self.adapter.decode_with_grad(latents).float().clamp(0, 1)
+                self.guard_finals(images, prompts, iteration)  # train.guard's verifier (no gradient: it scores a detached copy)
                 rewards = reward_models.call_reward(self.reward_fn, images, prompts, [{} for _ in prompts])
                 scored = self.check_rewards(reward_models.check_reward_output(cfg.reward.name, rewards, len(prompts)), iteration)
                 results.append((scored, dict(getattr(self.reward_fn, "last_info", None) or {})))

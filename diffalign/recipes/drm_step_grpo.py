@@ -67,6 +67,7 @@ class DRMStepGRPOConfig(AdvantageOptions, ClippedPolicyOptions, AlgorithmConfig)
 
 class DRMStepGRPOTrainer(TransitionTrainer):
     algo: DRMStepGRPOConfig
+    learned_reward_key = "drm_score_mean"  # the DRM's scores of the candidates train the policy
 
     def _setup_trainable(self) -> None:
         # Runs after the reward and the model are built and before the run directory is touched.
@@ -151,6 +152,7 @@ class DRMStepGRPOTrainer(TransitionTrainer):
     def iteration(self, iteration: int) -> dict:
         algo, num_steps = self.algo, self.cfg.sampling.num_steps
         ro = self.rollout(iteration)
+        self.guard_finals(ro["images"], ro["prompts"], iteration)  # train.guard's verifier: the chains' final images
         finals, info = self.score(ro["images"], ro["prompts"])
         finals = self.check_rewards(finals, iteration)
         all_finals = self.accelerator.gather(finals.to(self.device)).cpu()

@@ -73,6 +73,7 @@ class FlowGRPOTrainer(Trainer):
         for idx, traj in sample_group_chunks(self, plan):
             trajs.append(traj)
             futures.append(self.score_async(traj.images, plan.sample_prompts[idx], plan.group_ids[idx]))  # overlaps the next chunk
+            self.guard_finals(traj.images, plan.sample_prompts[idx], iteration)  # train.guard's verifier
         results = [f.result() for f in futures]
         rewards = torch.cat([r for r, _ in results])
         info = self.gather_info(reward_info(results))  # per-batch means, then over processes

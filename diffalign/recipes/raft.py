@@ -132,6 +132,7 @@ class RaftTrainer(Trainer):
         for rows, traj in sample_group_chunks(self, plan, keep_latents=False):
             x0.append(traj.latents[:, -1])
             futures.append(self.score_async(traj.images, plan.sample_prompts[rows], plan.group_ids[rows]))  # overlaps the next chunk
+            self.guard_finals(traj.images, plan.sample_prompts[rows], iteration)  # train.guard's verifier
         results = [f.result() for f in futures]
         rewards = torch.cat([r for r, _ in results])
         info = self.gather_info(reward_info(results))

@@ -267,6 +267,7 @@ class SolRLTrainer(TwoStageRollout, DiffusionNFTTrainer):
             x0, images, rewards, info = sample_and_score(self, embeds, one.selected_seeds, sample_prompts, num_steps=s.num_steps,
                                                          guidance_scale=s.guidance_scale, batch_size=cfg.rollout.sample_batch_size,
                                                          groups=groups, group_size=k)
+        self.guard_finals(images, sample_prompts, iteration)  # train.guard's verifier
         info = self.gather_info(info)
         info["time/stage2"] = time.perf_counter() - t0
         info.update(one.info)
@@ -335,6 +336,7 @@ class SolRLGRPOTrainer(TwoStageRollout, FlowGRPOTrainer):
                                      kernel=self.kernel, sde_mask=sde_mask, keep_latents=True)
             trajs.append(traj)
             futures.append(self.score_async(traj.images, sample_prompts[rows], groups[rows], k))
+            self.guard_finals(traj.images, sample_prompts[rows], iteration)  # train.guard's verifier
         results = [f.result() for f in futures]
         rewards = torch.cat([r for r, _ in results]) if results else torch.empty(0)
         info = self.gather_info(reward_info(results))

@@ -134,6 +134,7 @@ def build_step_aware_scorer(name: str, kwargs: dict, device: str):
 class SPOTrainer(Trainer):
     supports_fsdp = True  # equal rollouts and equal pair shares: every process runs the same forwards
     needs_reference = True  # the loss is a ratio against the frozen initial model
+    learned_reward_key = "spm_score_mean"  # the SPM trains the policy; `reward` only scores the final images
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -201,6 +202,7 @@ class SPOTrainer(Trainer):
             keeps.append(out.keep.flatten())
             nfe = out.nfe
             futures.append(self.score_async(out.images, sample_prompts[idx]))
+            self.guard_finals(out.images, sample_prompts[idx], iteration)  # train.guard's verifier: the continued trajectories' finals
         results = [f.result() for f in futures]
         rewards = self.check_rewards(torch.cat([r for r, _ in results]), iteration)
         info = self.gather_info(reward_info(results))  # per-batch means, then over processes

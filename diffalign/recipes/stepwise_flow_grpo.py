@@ -94,6 +94,8 @@ class StepwiseFlowGRPOTrainer(TransitionTrainer):
             traj.x0_estimates = traj.x0_estimates[:, :0]  # scored; free the memory
             repeated = [p for p in plan.sample_prompts[idx] for _ in range(s.num_steps + 1)]
             futures.append(self.score_async(images, repeated))  # one call for all T+1 estimates of the chunk
+            finals = images.view(-1, s.num_steps + 1, *images.shape[1:])[:, -1]  # the real final sample of each rollout
+            self.guard_finals(finals, plan.sample_prompts[idx], iteration)  # train.guard's verifier
             trajs.append(traj)
         rewards = torch.cat([f.result()[0] for f in futures]).view(plan.n_local, s.num_steps + 1)
         return DenseTrajectory.cat(trajs), plan.embeds, plan.first, plan.n_global, rewards

@@ -36,6 +36,7 @@ def state_dict(trainer, next_iteration: int, optimizer_state: dict | None = None
         "prompts": trainer.prompt_sampler.state_dict(),
         "stats": dict(trainer.stats),
         "extra": trainer.extra_state(),
+        "guard": trainer.guard.state_dict() if trainer.guard is not None else None,  # the reward-hacking guard's curves
         "config": to_dict(trainer.cfg),
         "metrics_records": trainer.metrics.count(),  # what metrics.jsonl held: a resume cuts it back to this
     }
@@ -194,6 +195,8 @@ def load_latest(trainer) -> int | None:
     trainer.prompt_sampler.load_state_dict(state["prompts"])
     trainer.stats.update(state["stats"])
     trainer.load_extra_state(state.get("extra") or {})
+    if trainer.guard is not None and state.get("guard"):
+        trainer.guard.load_state_dict(state["guard"])
     iteration = state["iteration"]
     if trainer.accelerator.is_main_process:
         records = state.get("metrics_records")

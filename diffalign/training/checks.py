@@ -20,12 +20,14 @@ from diffalign.training.tracking import check_trackers
 def check_config(cfg) -> None:
     """Every name and file of a run config that ``train`` resolves, checked without loading a
     model or building a reward (no weights): ``algorithm.name``, ``reward.name`` (and the rewards a
-    method builds by name besides it, e.g. SPO's ``algorithm.spm``), ``model.id`` /
+    method builds by name besides it, e.g. SPO's ``algorithm.spm``, and ``train.guard.verifier``), ``model.id`` /
     ``model.family``, ``log.trackers`` (known and installed) and the prompts (``prompts.file``
     readable, families known). One ConfigError naming the key. ``build_trainer`` calls it, and so
     does ``diffalign config``. A hub id is checked when it loads (naming its family needs the hub)."""
     recipes.check_algorithm_name(cfg.algorithm.name)
     named_rewards = [("reward.name", cfg.reward.name, cfg.reward.kwargs), *cfg.algorithm.named_rewards()]
+    if cfg.train.guard.verifier:
+        named_rewards.append(("train.guard.verifier", cfg.train.guard.verifier, cfg.train.guard.verifier_kwargs))
     for key, name, kwargs in named_rewards:
         try:
             reward_models.check_name(name, kwargs)

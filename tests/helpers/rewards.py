@@ -46,3 +46,17 @@ def logit_judge(device="cpu"):
 
     judge.output = "logit"
     return judge
+
+
+class Darkness:
+    """A judge made to disagree with the ``brightness`` verifier: ``1 - brightness`` (it prefers dark,
+    eventually blank, images), differentiable, so that DRaFT climbs it while the verifier falls."""
+
+    differentiable = True
+
+    def __call__(self, images, prompts, metadata):
+        return 1.0 - images.mean(dim=(1, 2, 3)).float()
+
+
+def darkness(device="cpu"):
+    return Darkness()
