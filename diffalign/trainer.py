@@ -86,6 +86,7 @@ class Trainer:
         if reward_models.is_groupwise(self.reward_fn) and not cfg.algorithm.rewards_in_groups():
             raise ConfigError(f"config key 'reward.name': reward {cfg.reward.name!r} compares the images of a prompt group, "
                               f"which algorithm {cfg.algorithm.name!r} does not hand to its reward (docs/rewards.md#pairwise-preference-rewards)")
+        cfg.algorithm.apply_reward_defaults(reward_models.is_groupwise(self.reward_fn))  # e.g. Pref-GRPO's advantages
         if cfg.algorithm.needs_differentiable_reward() and not reward_models.is_differentiable(self.reward_fn):
             raise ConfigError(f"config key 'reward.name': {cfg.reward.name!r} is not differentiable (it does not declare "
                               f"differentiable = True), and {cfg.algorithm.name} trains through the reward's gradient")
