@@ -174,16 +174,21 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
-        """Call the reward (again after a failure, up to ``reward.max_failures``:
-        :func:`~diffalign.training.rewards.call_with_retries`), validate the output (shape) and
-        return (rewards (B,), info). Videos ``(B, F, 3, H, W)`` get the mean of the per-frame
-        rewards (:func:`reward_models.call_reward`). Each sample's metadata is
+    def call_reward(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+        """The reward's own output for ``images`` (its graph kept: DRaFT / ReFL descend it), called
+        again after a failure up to ``reward.max_failures`` (:func:`~diffalign.training.rewards.call_with_retries`;
+        one failure more raises ``RewardFailures``, which :meth:`guarded_iteration` turns into a stop
+        with a checkpoint). Videos ``(B, F, 3, H, W)`` get the mean of the per-frame rewards
+        (:func:`reward_models.call_reward`). Each sample's metadata is
         :func:`~diffalign.images.prompt_metadata` of its prompt (an edit's ``source_image``) plus
         its entry of ``metadata`` (the reward pool's ``group``)."""
         metadata = [{**base, **extra} for base, extra in zip(prompt_metadata(prompts), metadata or [{} for _ in prompts])]
-        value = call_with_retries(lambda: reward_models.call_reward(self.reward_fn, images, prompts, metadata),
-                                  self.reward_fn, self.stats, self.cfg.reward.max_failures, self._log)
+        return call_with_retries(lambda: reward_models.call_reward(self.reward_fn, images, prompts, metadata),
+                                 self.reward_fn, self.stats, self.cfg.reward.max_failures, self._log)
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
+        """:meth:`call_reward`, its output validated (shape) and detached: (rewards (B,), info)."""
+        value = self.call_reward(images, prompts, metadata)
         rewards = reward_models.check_reward_output(self.cfg.reward.name, value, len(prompts))
         return rewards, dict(getattr(self.reward_fn, "last_info", None) or {})
 
