@@ -9,6 +9,7 @@ than a few seconds: bars refresh at least every :data:`REFRESH_S` seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Iterable, Optional
@@ -59,6 +60,23 @@ def silence_libraries() -> None:
             hf_logging = importlib.import_module(f"{library}.utils.logging")
             hf_logging.disable_progress_bar()
             hf_logging.set_verbosity_error()
+
+
+@contextlib.contextmanager
+def library_loading_bars_off():
+    """diffusers' and transformers' own progress bars off inside (a pipeline's "Loading pipeline
+    components", a model's "Loading weights"), restored after: a run shows its own loading phase."""
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    restore = [lib for lib in (diffusers_logging, transformers_logging) if lib.is_progress_bar_enabled()]
+    for lib in restore:
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib in restore:
+            lib.enable_progress_bar()
 
 
 def is_quiet() -> bool:

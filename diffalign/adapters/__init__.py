@@ -156,7 +156,13 @@ def load_adapter(
             ``max_sequence_length`` or ``guidance``, and pipeline options such as ``revision``),
             or to ``build_tiny`` (``seed`` and the same adapter options) for ``tiny:`` ids.
     """
-    model_id = str(model_id)
+    from ..progress import library_loading_bars_off
+
+    with library_loading_bars_off():  # the caller shows its own loading phase
+        return _load_adapter(str(model_id), family, device, dtype, kwargs)
+
+
+def _load_adapter(model_id: str, family: str, device, dtype: torch.dtype, kwargs: dict) -> ModelAdapter:
     kind, name = _locate(model_id, _forced(family))
     if name is None:  # a hub id: its model_index.json names the family
         name = _family_from_hub(model_id, kwargs)
