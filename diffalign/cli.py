@@ -566,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = list(args.overrides) + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from diffalign.import_noise import filter_known_import_messages
+
+    filter_known_import_messages()  # before anything imports diffusers: the known import chatter of its dependencies
     if args.quiet:  # before anything imports torch or diffusers (see progress.silence_libraries)
         from diffalign import progress
 

@@ -441,6 +441,10 @@ class AlgorithmConfig:
         verifier can score: ``train.guard``); False for methods trained on offline data."""
         return True
 
+    def apply_reward_defaults(self, groupwise: bool) -> None:
+        """Resolve, in place, the keys whose default depends on the reward (``groupwise``: it
+        compares the images of a group, as ``pairwise``); the trainer calls it once the reward is built."""
+
     def needs_differentiable_reward(self) -> bool:
         """Whether the loss backpropagates through the reward (DRaFT, ReFL): the trainer then
         refuses a ``reward.name`` that does not declare ``differentiable = True``."""
@@ -463,25 +467,49 @@ def method_defaults(**values):
     return deco
 
 
+# How group advantages normalise when the config leaves it to the reward (None): a pointwise reward
+# as the Flow-GRPO paper (std over the batch, population std, eps 1e-4), a reward that compares the
+# images of a group (``pairwise``) as Pref-GRPO (win rates z-scored within each group with
+# torch.std's unbiased std, eps 1e-8).
+POINTWISE_ADVANTAGES = {"advantage_std": "global", "advantage_unbiased_std": False, "advantage_eps": 1e-4}
+GROUPWISE_ADVANTAGES = {"advantage_std": "group", "advantage_unbiased_std": True, "advantage_eps": 1e-8}
+
+
 @dataclass
 class AdvantageOptions:
     """Group-relative advantages ``A = clip((r - mean) / (std + eps), +-advantage_clip)``."""
 
     advantage_clip: float = 5.0  # A clipped to +- this
-    advantage_eps: float = 1e-4  # A = (r - mean) / (std + eps)
+    advantage_eps: Optional[float] = None  # A = (r - mean) / (std + eps); None: 1e-4, 1e-8 for a pairwise reward (Pref-GRPO)
     filter_zero_std_groups: bool = True  # drop groups whose rewards are all equal (all A = 0: no gradient, only cost)
 
     def validate(self, prefix: str = "algorithm") -> None:
         check(self.advantage_clip > 0, f"{prefix}.advantage_clip", "must be > 0")
-        check(self.advantage_eps >= 0, f"{prefix}.advantage_eps", "must be >= 0")
+        check(self.advantage_eps is None or self.advantage_eps >= 0, f"{prefix}.advantage_eps", "must be >= 0")
         super().validate(prefix)
+
+    def apply_reward_defaults(self, groupwise: bool) -> None:
+        if self.advantage_eps is None:
+            self.advantage_eps = (GROUPWISE_ADVANTAGES if groupwise else POINTWISE_ADVANTAGES)["advantage_eps"]
+        super().apply_reward_defaults(groupwise)
 
 
 @dataclass
 class GroupAdvantageOptions(AdvantageOptions):
-    """Advantages within prompt groups, with the std taken over the batch or per group."""
+    """Advantages within prompt groups, with the std taken over the batch or per group. A key left
+    unset (None) takes the reward's reference value when the run starts (:meth:`apply_reward_defaults`)."""
 
-    advantage_std: Literal["global", "group"] = "global"  # std over the whole batch (Flow-GRPO paper) or per prompt group
+    advantage_std: Optional[Literal["global", "group"]] = None  # std over the whole batch or per prompt group; None: global (Flow-GRPO), group for a pairwise reward (Pref-GRPO)
+    advantage_unbiased_std: Optional[bool] = None  # Bessel's std (N - 1) or the population std (N); None: population, unbiased for a pairwise reward
+
+    def apply_reward_defaults(self, groupwise: bool) -> None:
+        """Fill the keys left unset with the reference values for this kind of reward; a key set in
+        the config keeps its value."""
+        defaults = GROUPWISE_ADVANTAGES if groupwise else POINTWISE_ADVANTAGES
+        for name in ("advantage_std", "advantage_unbiased_std"):
+            if getattr(self, name) is None:
+                setattr(self, name, defaults[name])
+        super().apply_reward_defaults(groupwise)  # advantage_eps
 
 
 GUARD_NORM_MODES = ("auto", "analytic", "batch")

@@ -98,6 +98,7 @@ class Trainer:
         if reward_models.is_groupwise(self.reward_fn) and not cfg.algorithm.rewards_in_groups():
             raise ConfigError(f"config key 'reward.name': reward {cfg.reward.name!r} compares the images of a prompt group, "
                               f"which algorithm {cfg.algorithm.name!r} does not hand to its reward (docs/rewards.md#pairwise-preference-rewards)")
+        cfg.algorithm.apply_reward_defaults(reward_models.is_groupwise(self.reward_fn))  # e.g. Pref-GRPO's advantages
         if cfg.algorithm.needs_differentiable_reward() and not reward_models.is_differentiable(self.reward_fn):
             raise ConfigError(f"config key 'reward.name': {cfg.reward.name!r} is not differentiable (it does not declare "
                               f"differentiable = True), and {cfg.algorithm.name} trains through the reward's gradient")
@@ -196,16 +197,21 @@ class Trainer:
         """The forwards' autocast dtype (None: fp32), from ``train.mixed_precision`` as resolved."""
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
 
-    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
-        """Call the reward (again after a failure, up to ``reward.max_failures``:
-        :func:`~diffalign.training.rewards.call_with_retries`), validate the output (shape) and
-        return (rewards (B,), info). Videos ``(B, F, 3, H, W)`` get the mean of the per-frame
-        rewards (:func:`reward_models.call_reward`). Each sample's metadata is
+    def call_reward(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+        """The reward's own output for ``images`` (its graph kept: DRaFT / ReFL descend it), called
+        again after a failure up to ``reward.max_failures`` (:func:`~diffalign.training.rewards.call_with_retries`;
+        one failure more raises ``RewardFailures``, which :meth:`guarded_iteration` turns into a stop
+        with a checkpoint). Videos ``(B, F, 3, H, W)`` get the mean of the per-frame rewards
+        (:func:`reward_models.call_reward`). Each sample's metadata is
         :func:`~diffalign.images.prompt_metadata` of its prompt (an edit's ``source_image``) plus
         its entry of ``metadata`` (the reward pool's ``group``)."""
         metadata = [{**base, **extra} for base, extra in zip(prompt_metadata(prompts), metadata or [{} for _ in prompts])]
-        value = call_with_retries(lambda: reward_models.call_reward(self.reward_fn, images, prompts, metadata),
-                                  self.reward_fn, self.stats, self.cfg.reward.max_failures, self._log)
+        return call_with_retries(lambda: reward_models.call_reward(self.reward_fn, images, prompts, metadata),
+                                 self.reward_fn, self.stats, self.cfg.reward.max_failures, self._log)
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> tuple[torch.Tensor, dict]:
+        """:meth:`call_reward`, its output validated (shape) and detached: (rewards (B,), info)."""
+        value = self.call_reward(images, prompts, metadata)
         rewards = reward_models.check_reward_output(self.cfg.reward.name, value, len(prompts))
         return rewards, dict(getattr(self.reward_fn, "last_info", None) or {})
 

@@ -37,6 +37,11 @@ DEFAULT_SCALE = 100.0  # torchmetrics' CLIPScore weight; Hessel et al. use 2.5
 # OpenAI CLIP's normalisation constants (same as CLIPImageProcessor's defaults).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# Centre-crop offset of a side ``d`` pixels longer than the crop, as each library computes it.
+CROP_OFFSETS = {
+    "transformers": lambda d: d // 2,  # transformers.image_transforms.center_crop
+    "torchvision": lambda d: int(round(d / 2.0)),  # torchvision.transforms.functional.center_crop (half to even)
+}
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,23 @@ class ClipImageTransform:
     ``resize``: an int resizes the shortest side to it keeping the aspect ratio (the long side
     becomes ``int(resize * long / short)`` as in transformers); ``(h, w)`` resizes to exactly that.
     ``crop``: ``(h, w)`` of the centre crop, or None for no crop.
+    ``crop_offsets``: how the crop's top / left offset rounds half a pixel when the resized side
+    minus the crop is odd. ``"transformers"``: ``d // 2`` (``CLIPImageProcessor``'s ``center_crop``,
+    which CLIPScore, PickScore and the aesthetic scorers of DDPO / Flow-GRPO run);
+    ``"torchvision"``: ``int(round(d / 2))`` (``transforms.CenterCrop``, Python's round half to
+    even, which OpenAI's ``clip``, BLIP / ImageReward and open_clip / HPSv2 run). They differ by one
+    pixel when ``d % 4 == 3``: SDXL's 832 x 1216 resized to 224 x 327, for one.
     """
 
     resize: int | tuple[int, int]
     crop: tuple[int, int] | None
     mean: tuple[float, float, float] = CLIP_MEAN
     std: tuple[float, float, float] = CLIP_STD
+    crop_offsets: str = "transformers"
+
+    def __post_init__(self) -> None:
+        if self.crop_offsets not in CROP_OFFSETS:
+            raise RewardError(f"crop_offsets must be one of {sorted(CROP_OFFSETS)}, got {self.crop_offsets!r}")
 
     @classmethod
     def from_processor_config(cls, config: dict[str, Any] | None, image_size: int) -> "ClipImageTransform":
@@ -106,7 +122,8 @@ class ClipImageTransform:
             crop_h, crop_w = self.crop
             if crop_h > new_h or crop_w > new_w:
                 raise RewardError(f"clip_score: crop {self.crop} is larger than the resized image ({new_h}, {new_w})")
-            top, left = (new_h - crop_h) // 2, (new_w - crop_w) // 2  # transformers' centre_crop offsets
+            offset = CROP_OFFSETS[self.crop_offsets]
+            top, left = offset(new_h - crop_h), offset(new_w - crop_w)
             x = x[..., top : top + crop_h, left : left + crop_w]
         mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
         std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)

@@ -12,9 +12,9 @@ with ``pretrained=None``: the checkpoint holds every weight, so the 4 GB LAION w
 reference code downloads first are skipped.
 
 Preprocessing is open_clip's validation transform (``model.visual.preprocess_cfg``: resize the
-shortest side, bicubic, centre crop, normalise) run on tensors by :class:`ClipImageTransform`.
-torchvision rounds odd centre-crop offsets up where transformers rounds them down, and resamples
-PIL images with PIL's bicubic, so pixels are close to, not identical with, ``preprocess_val``'s.
+shortest side, bicubic, torchvision's ``CenterCrop``, normalise) run on tensors by
+:class:`ClipImageTransform` with torchvision's crop offsets. ``preprocess_val`` resamples PIL images
+with PIL's bicubic, so resized pixels are close to, not identical with, its own.
 
 open_clip (and through timm, torchvision) is imported only when the reward is built; it is the
 ``rewards`` extra. torchvision must match torch exactly (``torch==2.14.1 torchvision==0.29.1`` is
@@ -74,7 +74,8 @@ def transform_from_open_clip(reward: str, preprocess_cfg: dict[str, Any]) -> Cli
         raise RewardError(f"{reward}: open_clip resize mode {mode!r} with size {size!r} is not supported")
     mean = tuple(float(v) for v in preprocess_cfg["mean"])
     std = tuple(float(v) for v in preprocess_cfg["std"])
-    return ClipImageTransform(resize=resize, crop=crop, mean=mean, std=std)  # type: ignore[arg-type]
+    return ClipImageTransform(resize=resize, crop=crop, mean=mean, std=std,  # type: ignore[arg-type]
+                              crop_offsets="torchvision")  # open_clip's CenterCrop is torchvision's
 
 
 @register("hpsv2")

@@ -19,6 +19,9 @@ checkpoint keys (transformers' Qwen2-VL layout before 4.52, ``visual.*`` / ``mod
 ``lm_head`` is not needed (the reward reads hidden states, not next-token logits). The ``hpsv3``
 package is not used: it pulls deepspeed, trl, torchvision and opencv.
 
+Rotary positions are the authors': sequential for every token, not Qwen2-VL's 3D image positions
+(see :func:`sequential_positions`).
+
 Preprocessing on tensors, differentiable: every image is resized (bicubic, antialiased) to the
 size Qwen2-VL's ``smart_resize`` gives with ``min_pixels = max_pixels = 256 * 28 * 28`` (448 x 448
 for a square image: 256 visual tokens after the 2 x 2 merge), normalised with the processor's mean
@@ -126,6 +129,22 @@ def ranknet_head(hidden_size: int) -> nn.Sequential:
                          nn.Linear(wide, narrow), nn.ReLU(), nn.Linear(narrow, HEAD_OUTPUTS))
 
 
+def sequential_positions(input_ids: torch.Tensor) -> torch.Tensor:
+    """Rotary positions ``(3, B, L)`` = ``0 .. L-1`` in each of M-RoPE's three sections.
+
+    The authors' ``Qwen2VLRewardModelBT.forward`` merges the image features into the token
+    embeddings itself and calls the language model with ``inputs_embeds`` and ``position_ids=None``;
+    under their pinned transformers (4.45.2) that gives every token, image placeholders included, its
+    plain index in the sequence, expanded over the temporal / height / width sections. It never runs
+    Qwen2-VL's 3D image positions, which transformers 5's ``Qwen2VLModel`` computes from the image
+    grid when given no positions: on a small random model those move scores by about 0.1. Padding is on the right,
+    so a real token's index is its position.
+    """
+    batch, length = input_ids.shape
+    positions = torch.arange(length, device=input_ids.device)
+    return positions.view(1, 1, length).expand(3, batch, length)
+
+
 class HPSv3Model(nn.Module):
     """Qwen2-VL backbone (``Qwen2VLModel``, no LM head) + float32 reward head."""
 
@@ -139,10 +158,8 @@ class HPSv3Model(nn.Module):
                 image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Tokens ``(B, L)`` (one ``<|Reward|>`` each), patch rows and grids -> ``(B, 2)`` float32
         ``(mu, log sigma)``."""
-        image_token_id = int(self.backbone.config.image_token_id)
-        mm_token_type_ids = (input_ids == image_token_id).int()  # 1 = image placeholder, 0 = text (for M-RoPE)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values,
-                               image_grid_thw=image_grid_thw, mm_token_type_ids=mm_token_type_ids,
+                               image_grid_thw=image_grid_thw, position_ids=sequential_positions(input_ids),
                                use_cache=False).last_hidden_state  # (B, L, H)
         rows, cols = (input_ids == self.reward_token_id).nonzero(as_tuple=True)
         if rows.numel() != input_ids.shape[0] or not torch.equal(rows, torch.arange(len(rows), device=rows.device)):

@@ -22,7 +22,10 @@ transformers' ``BlipVisionModel`` / ``BlipTextModel``, which port the same BLIP 
 
 Tokenizer: ``bert-base-uncased`` plus BLIP's two added tokens ([DEC], [ENC]), as BLIP's
 ``init_tokenizer`` builds it. Preprocessing on tensors: resize the shortest side to 224
-(bicubic), centre crop, normalise with CLIP's mean / std (ImageReward's ``_transform``).
+(bicubic), centre crop with torchvision's ``CenterCrop`` offsets (``int(round(d / 2))``),
+normalise with CLIP's mean / std (ImageReward's ``_transform``). The authors resize PIL images with
+PIL's bicubic, so resized pixels are close to, not identical with, theirs; an image whose shortest
+side is already 224 is preprocessed exactly as theirs.
 """
 
 from __future__ import annotations
@@ -304,7 +307,9 @@ class ImageReward:
         self.model.mlp.float()  # the head stays float32
         self.tokenizer = tokenizer
         size = model.image_size
-        self.transform = ClipImageTransform(resize=size, crop=(size, size), mean=CLIP_MEAN, std=CLIP_STD)
+        # BLIP's transform: Resize(size, bicubic) then torchvision's CenterCrop(size)
+        self.transform = ClipImageTransform(resize=size, crop=(size, size), mean=CLIP_MEAN, std=CLIP_STD,
+                                            crop_offsets="torchvision")
         self.batch_size = batch_size
         self.last_info: dict[str, float] = {}
 

@@ -14,7 +14,7 @@ from diffalign.algorithms.drft import drft_loss, refl_rollout, refl_stop_candida
 from diffalign.config_files import load_config
 from diffalign.errors import ConfigError, RewardError
 from diffalign.recipes import available
-from diffalign.recipes.drft import DrftTrainer
+from diffalign.recipes.drft import DrftConfig, DrftTrainer
 from diffalign.shapes.scenes import make_batch
 from diffalign.trainer import build_trainer
 from reward_models.shapes_soft import ShapesSoft, soft_terms, _spec
@@ -232,6 +232,39 @@ def test_one_iteration_of_each_mode_moves_the_weights(tmp_path):
         assert rec["grad_norm"] > 0, mode
         moved = sum(float((p.detach() - b).abs().sum()) for p, b in zip(tr.trainable, before))
         assert moved > 0, mode
+
+
+def test_reward_failures_are_retried_then_stop_with_a_checkpoint(tmp_path, capsys):
+    """DRaFT calls the reward through the trainer's retries: one failed call (reward.max_failures=1)
+    is made again and counted; a second stops the run with a checkpoint at the iteration's start."""
+    from diffalign import runs
+    from tests.helpers import rewards as helper_rewards
+
+    torch.set_num_threads(1)
+    reward = ["reward.name=tests.helpers.rewards:counting_reward", "reward.kwargs.differentiable=true",
+              "reward.max_failures=1"]
+    out = tmp_path / "retried"
+    assert run_cli("train", CONFIG, f"output_dir={out}", "max_iterations=1", *FAST, *reward, "reward.kwargs.fail_calls=[1]") == 0
+    assert helper_rewards.CALLS == [2, 2, 2, 2]  # two micro-batches of 2, the second one scored again; the evaluation
+    [record] = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if not r.get("eval")]
+    assert record["reward_failures"] == 1 and record["optimizer_steps"] == 1 and math.isfinite(record["reward_mean"])
+    capsys.readouterr()
+
+    stopped = tmp_path / "stopped"
+    assert run_cli("train", CONFIG, f"output_dir={stopped}", "max_iterations=1", *FAST, *reward,
+                   "reward.kwargs.fail_calls=[0,1]") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: stopped: counting reward: call 1 fails") and "reward.max_failures=1" in err[-1]
+    assert helper_rewards.CALLS == [2, 2]
+    state = runs.load_checkpoint(runs.latest_checkpoint(stopped))
+    assert state["iteration"] == 0 and state["stats"]["reward_failures"] == 2
+
+
+def test_refl_default_range_is_imagereward_s_stops():
+    """ImageReward's ReFL: 40 steps, the stop drawn from steps 30-39."""
+    assert DrftConfig().refl_range == [0.75, 0.975]
+    assert refl_stop_candidates(40, *DrftConfig().refl_range).tolist() == list(range(30, 40))
+    assert refl_stop_candidates(10, *DrftConfig().refl_range).tolist() == [8, 9]
 
 
 def test_train_cli_end_to_end(tmp_path):

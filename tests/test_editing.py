@@ -8,6 +8,7 @@ source images equals the stock pipeline's ``__call__`` (``output_type="latent"``
 from __future__ import annotations
 
 import json
+import math
 import pickle
 
 import numpy as np
@@ -30,10 +31,10 @@ TEXTS = ["a photo of a blue circle", "two blue squares"]
 tiny_clip = tiny_clip_fixture()
 
 
-def _png(path, seed: int, size: int = PX):
+def _png(path, seed: int, size: int = PX, width: int | None = None):
     from PIL import Image
 
-    pixels = (np.random.default_rng(seed).random((size, size, 3)) * 255).astype("uint8")
+    pixels = (np.random.default_rng(seed).random((size, width or size, 3)) * 255).astype("uint8")
     Image.fromarray(pixels).save(path)
     return path
 
@@ -42,6 +43,13 @@ def _png(path, seed: int, size: int = PX):
 def sources(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sources")
     return [_png(folder / f"s{i}.png", i) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def wide_sources(tmp_path_factory):
+    """Two 80 x 40 (2:1) sources: squashing them to a square changes what the model sees."""
+    folder = tmp_path_factory.mktemp("wide")
+    return [_png(folder / f"w{i}.png", 10 + i, size=40, width=80) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +150,67 @@ def test_kontext_rollout_matches_stock_pipeline(kontext, sources, guidance_scale
     torch.testing.assert_close(unpack_latents(stock, PX // 2, PX // 2), ours, rtol=1e-4, atol=1e-4)
 
 
+def stock_kontext_source_size(image, vae_scale_factor, resolutions):
+    """``FluxKontextPipeline.__call__``'s source size at its default ``_auto_resize=True``, transcribed:
+    the image's size floored to the image processor's factor (2 x VAE), the preferred resolution of
+    nearest aspect ratio, each side floored to a multiple of 2 x VAE."""
+    multiple = vae_scale_factor * 2
+    width, height = (side - side % multiple for side in image.size)
+    aspect = width / height
+    _, width, height = min((abs(aspect - w / h), w, h) for w, h in resolutions)
+    return height // multiple * multiple, width // multiple * multiple
+
+
+def test_source_sizes_follow_the_stock_pipelines_at_real_scale():
+    """FLUX.1 Kontext [dev] and Qwen-Image-Edit (VAE factor 8) on photo-sized sources."""
+    from types import SimpleNamespace
+
+    from diffusers.image_processor import VaeImageProcessor
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+    from PIL import Image
+
+    from diffalign.adapters.flux_kontext import kontext_source_size
+    from diffalign.adapters.qwen_edit import qwen_edit_source_size
+
+    real = SimpleNamespace(image_processor=VaeImageProcessor(vae_scale_factor=16), vae_scale_factor=8)
+    for width, height in ((1216, 832), (832, 1216), (1024, 1024), (1920, 1080), (640, 1600), (1000, 333)):
+        image = Image.new("RGB", (width, height))
+        assert kontext_source_size(real, image) == stock_kontext_source_size(image, 8, PREFERRED_KONTEXT_RESOLUTIONS)
+        # QwenImageEditPipeline: calculate_dimensions(1024 * 1024, w / h) -> sides rounded to 32 at that area
+        w = round(math.sqrt(1024 * 1024 * width / height) / 32) * 32
+        h = round(math.sqrt(1024 * 1024 * width / height) / (width / height) / 32) * 32
+        assert qwen_edit_source_size(image) == (h, w)
+    wide = Image.new("RGB", (1216, 832))
+    assert kontext_source_size(real, wide) == (832, 1248) and qwen_edit_source_size(wide) == (832, 1248)
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 2.0])
+def test_kontext_matches_stock_pipeline_on_a_non_square_source(wide_sources, guidance_scale, monkeypatch):
+    """The pipeline's default sizing (``_auto_resize=True``) on 2:1 sources: the preferred Kontext
+    resolutions, divided by 16 for the tiny model's 2x VAE in both, pick 88 x 44; the source latents
+    are 44 x 22, not square."""
+    import diffusers.pipelines.flux.pipeline_flux_kontext as stock_module
+
+    scaled = [(w // 16, h // 16) for w, h in stock_module.PREFERRED_KONTEXT_RESOLUTIONS]
+    monkeypatch.setattr(stock_module, "PREFERRED_KONTEXT_RESOLUTIONS", scaled)
+    adapter = load_adapter("tiny:flux_kontext", source_resize="pipeline")
+    prompts = [ImagePrompt(t, p) for t, p in zip(TEXTS, wide_sources)]
+    assert adapter.encode_sources(_images(wide_sources)).shape == (2, 4, 22, 44)
+    x, ours = _rollout(adapter, prompts, guidance_scale)
+    cfg = dict(negative_prompt=[""] * 2, true_cfg_scale=guidance_scale) if guidance_scale > 1 else {}
+    with torch.no_grad():
+        stock = adapter.pipeline(image=_images(wide_sources), prompt=TEXTS, height=PX, width=PX, num_inference_steps=2,
+                                 output_type="latent", max_sequence_length=adapter.max_sequence_length,
+                                 guidance_scale=adapter.guidance, latents=pack_latents(x), max_area=PX * PX, **cfg).images
+    torch.testing.assert_close(unpack_latents(stock, PX // 2, PX // 2), ours, rtol=1e-4, atol=1e-4)
+    square = load_adapter("tiny:flux_kontext", source_resize="square", image_resolution=32)
+    _, squashed = _rollout(square, prompts, guidance_scale)
+    assert (squashed - ours).abs().max() > 1e-3  # the squashed source conditions the model otherwise
+    with pytest.raises(ValueError, match="resize to different sizes"):
+        adapter.encode_prompts([prompts[0], ImagePrompt(TEXTS[1], _png(wide_sources[0].parent / "tall.png", 3, 80, 40))],
+                               with_uncond=False)
+
+
 def test_kontext_conditioning_rides_in_the_prompt_embeddings(kontext, sources):
     prompts = [ImagePrompt(TEXTS[0], sources[0]), ImagePrompt(TEXTS[0], sources[1])]
     e = kontext.encode_prompts(prompts, with_uncond=True)
@@ -174,6 +243,36 @@ def test_qwen_edit_rollout_matches_stock_pipeline(qwen_edit, sources, monkeypatc
                                    output_type="latent", latents=pack_latents(x),
                                    negative_prompt=[qwen_edit.negative_prompt] * 2, true_cfg_scale=g).images
     torch.testing.assert_close(unpack_latents(stock, PX // 2, PX // 2), ours, rtol=1e-4, atol=1e-4)
+
+
+def test_qwen_edit_matches_stock_pipeline_on_a_non_square_source(wide_sources, monkeypatch):
+    """The pipeline's sizing (``calculate_dimensions`` at the source's aspect ratio) on 2:1 sources,
+    its 1024 x 1024 area scaled to 64 x 64 for the tiny model in both (the adapter keeps its default
+    ``source_area``): 96 x 32 pixels, latents 48 x 16, and the VL encoder sees that resized image.
+    The stock pipeline is called with one source at a time: given a list, its ``image_processor.resize``
+    leaves the images as they are and the VL encoder sees them unresized (the latents are resized
+    either way)."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as stock_module
+
+    from diffalign.adapters.qwen_edit import SOURCE_AREA
+
+    original = stock_module.calculate_dimensions
+    monkeypatch.setattr(stock_module, "calculate_dimensions", lambda area, ratio: original(area * 64 * 64 // SOURCE_AREA, ratio))
+    adapter = load_adapter("tiny:qwen_edit", source_resize="pipeline")
+    prompts = [ImagePrompt(t, p) for t, p in zip(TEXTS, wide_sources)]
+    e = adapter.encode_prompts(prompts, with_uncond=False)
+    assert e.cond["image_latents"].shape == (2, 4, 16, 48)
+    g = 3.0
+    x, ours = _rollout(adapter, prompts, g)
+    for i, (image, text) in enumerate(zip(_images(wide_sources), TEXTS)):
+        with torch.no_grad():
+            stock = adapter.pipeline(image=image, prompt=text, height=PX, width=PX, num_inference_steps=2,
+                                     output_type="latent", latents=pack_latents(x[i:i + 1]),
+                                     negative_prompt=adapter.negative_prompt, true_cfg_scale=g).images
+        torch.testing.assert_close(unpack_latents(stock, PX // 2, PX // 2), ours[i:i + 1], rtol=1e-4, atol=1e-4)
+    square = load_adapter("tiny:qwen_edit", source_resize="square", image_resolution=32)
+    _, squashed = _rollout(square, prompts, g)
+    assert (squashed - ours).abs().max() > 1e-3  # the squashed source conditions the model otherwise
 
 
 def test_qwen_edit_text_encoder_sees_the_image(qwen_edit, sources):

@@ -25,6 +25,15 @@ def test_group_advantages_group_std_by_hand():
     assert torch.allclose(out.advantages, torch.tensor([-1.0, 1.0, -1.0, 1.0]))
 
 
+def test_group_advantages_unbiased_std_by_hand():
+    r, g = torch.tensor([1.0, 3.0, 0.0, 4.0]), torch.tensor([0, 0, 1, 1])
+    # group 0: mean 2, Bessel's std sqrt(2); group 1: mean 2, sqrt(8); batch: mean 2, sqrt(10 / 3)
+    out = group_advantages(r, g, std_mode="group", unbiased=True, eps=0.0, clip=100)
+    assert torch.allclose(out.advantages, torch.tensor([-1, 1, -2, 2]) / torch.tensor([2.0, 2.0, 8.0, 8.0]).sqrt())
+    out = group_advantages(r, g, std_mode="global", unbiased=True, eps=0.0, clip=100)
+    assert torch.allclose(out.advantages, torch.tensor([-1.0, 1.0, -2.0, 2.0]) / (10 / 3) ** 0.5)
+
+
 def test_zero_std_groups_filtered_and_counted():
     r = torch.tensor([1.0, 1.0, 0.0, 2.0])
     g = torch.tensor([0, 0, 1, 1])

@@ -6,8 +6,11 @@ preprocessor_config.json); the checkpoint is a random ``HPSv3.safetensors`` with
 key names (``visual.*``, ``model.*``, ``lm_head``, ``rm_head``) and a vocabulary grown by
 ``<|Reward|>``. The reference takes the route of the authors' ``HPSv3RewardInferencer``: pixels
 from transformers' Qwen2-VL image processor, the chat template with the image placeholder
-expanded from its grid, the weights loaded by transformers' own ``Qwen2VLForConditionalGeneration``
-loader, the head applied (plain torch) at every position and read at the reward token.
+expanded from its grid, the vision tower loaded by transformers' own
+``Qwen2VLForConditionalGeneration`` loader, then ``Qwen2VLRewardModelBT.forward`` written out: image
+features scattered into the token embeddings, the decoder (plain torch, from its formulas) at the
+sequential positions transformers 4.45.2 gives ``position_ids=None``, the head applied at every
+position and read at the reward token.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def authors_state(config, seed=0) -> dict[str, torch.Tensor]:
         else:
             state["model." + key.removeprefix("language_model.")] = value
     hidden, g = config.text_config.hidden_size, torch.Generator().manual_seed(seed + 1)
+    for key in [k for k in state if k.startswith("model.layers.") and k.endswith(("q_proj.weight", "k_proj.weight"))]:
+        state[key] = torch.randn(state[key].shape, generator=g) * 0.5  # sharp attention: positions move the scores
     state["lm_head.weight"] = torch.randn(config.text_config.vocab_size, hidden, generator=g) * 0.02
     for index, (inp, out) in zip((0, 3, 5), ((hidden, 1024), (1024, 16), (16, 2))):
         state[f"rm_head.{index}.weight"] = torch.randn(out, inp, generator=g) / math.sqrt(inp)
@@ -106,9 +111,10 @@ def _uint8_images(batch=2, seed=0):
     return torch.randint(0, 256, (batch, 3, SIDE, SIDE), generator=g).float() / 255
 
 
-def reference_mu(base, ckpt, state, images, prompts):
-    """The authors' inference on the same files, through transformers' own loaders and processor."""
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+def authors_inputs(base, images, prompts):
+    """Tokens and patch rows as the authors' inferencer builds them: transformers' Qwen2-VL image
+    processor and the chat template with the image placeholder expanded from its grid."""
+    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(base, padding_side="right")
@@ -121,23 +127,86 @@ def reference_mu(base, ckpt, state, images, prompts):
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": hpsv3_text(prompt)}]}]
         chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         texts.append(chat.replace("<|image_pad|>", "<|image_pad|>" * int(grid.prod() // 4)))
-    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    return tokenizer, tokenizer(texts, padding=True, return_tensors="pt"), vision
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def authors_decoder(config, state, embeds, attention_mask):
+    """The Qwen2 decoder the authors' forward runs, written out from its formulas, at the positions
+    transformers 4.45.2 gives ``Qwen2VLModel(inputs_embeds=..., position_ids=None)``: ``0 .. L-1``
+    for every token in all three M-RoPE sections, where M-RoPE is plain rotary embedding."""
+    text = config.text_config
+    heads, kv_heads, eps = text.num_attention_heads, text.num_key_value_heads, text.rms_norm_eps
+    theta = text.rope_parameters["rope_theta"]
+    b, length, hidden = embeds.shape
+    d = hidden // heads
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def w(name):
+        return state[f"model.{name}"]
+
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None]  # 4.45.2: cache_position
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()  # (L, d)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = causal[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, L, L)
+    x = embeds
+    for i in range(text.num_hidden_layers):
+        p = f"layers.{i}."
+        h = rms(x, w(p + "input_layernorm.weight"))
+        q = F.linear(h, w(p + "self_attn.q_proj.weight"), w(p + "self_attn.q_proj.bias")).view(b, length, heads, d)
+        k = F.linear(h, w(p + "self_attn.k_proj.weight"), w(p + "self_attn.k_proj.bias")).view(b, length, kv_heads, d)
+        v = F.linear(h, w(p + "self_attn.v_proj.weight"), w(p + "self_attn.v_proj.bias")).view(b, length, kv_heads, d)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, L, d)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+        attn = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+        x = x + F.linear(attn.transpose(1, 2).reshape(b, length, hidden), w(p + "self_attn.o_proj.weight"))
+        h = rms(x, w(p + "post_attention_layernorm.weight"))
+        gate = F.linear(h, w(p + "mlp.gate_proj.weight"))
+        x = x + F.linear(F.silu(gate) * F.linear(h, w(p + "mlp.up_proj.weight")), w(p + "mlp.down_proj.weight"))
+    return rms(x, w("norm.weight"))
+
+
+def reference_mu(base, state, images, prompts, stock_positions=False):
+    """``Qwen2VLRewardModelBT.forward`` on the same files: embed the tokens, scatter the vision
+    tower's features into the image placeholders, run the decoder on ``inputs_embeds`` with
+    ``position_ids=None`` (4.45.2's sequential positions), apply ``rm_head`` at every position and
+    read it at ``<|Reward|>``. ``stock_positions=True`` runs today's ``Qwen2VLModel`` instead, which
+    computes 3D image positions (M-RoPE) from the grid."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    tokenizer, batch, vision = authors_inputs(base, images, prompts)
     config = tiny_config(tokenizer, len(tokenizer))
     model, info = Qwen2VLForConditionalGeneration.from_pretrained(None, config=config, state_dict=state,
                                                                   dtype=torch.float32, output_loading_info=True)
     # transformers converted the old layout itself; only the reward head is not its
     assert not info["missing_keys"] and {k.split(".")[0] for k in info["unexpected_keys"]} == {"rm_head"}, info
     model.eval()
+    input_ids, mask = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
-        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             pixel_values=vision["pixel_values"], image_grid_thw=vision["image_grid_thw"],
-                             mm_token_type_ids=(batch["input_ids"] == config.image_token_id).int()).last_hidden_state
-    h = hidden
-    h = F.relu(F.linear(h, state["rm_head.0.weight"], state["rm_head.0.bias"]))
+        if stock_positions:
+            hidden = model.model(input_ids=input_ids, attention_mask=mask, pixel_values=vision["pixel_values"],
+                                 image_grid_thw=vision["image_grid_thw"],
+                                 mm_token_type_ids=(input_ids == config.image_token_id).int()).last_hidden_state
+        else:
+            embeds = F.embedding(input_ids, state["model.embed_tokens.weight"])
+            image_embeds = model.model.visual(vision["pixel_values"], grid_thw=vision["image_grid_thw"]).pooler_output
+            image_mask = (input_ids == config.image_token_id).unsqueeze(-1).expand_as(embeds)
+            embeds = embeds.masked_scatter(image_mask, image_embeds)
+            hidden = authors_decoder(config, state, embeds, mask)
+    h = F.relu(F.linear(hidden, state["rm_head.0.weight"], state["rm_head.0.bias"]))
     h = F.relu(F.linear(h, state["rm_head.3.weight"], state["rm_head.3.bias"]))
     logits = F.linear(h, state["rm_head.5.weight"], state["rm_head.5.bias"])  # (B, L, 2)
-    mask = batch["input_ids"] == tokenizer.convert_tokens_to_ids("<|Reward|>")
-    return logits[mask].view(len(prompts), -1)[:, 0], vision["pixel_values"]
+    reward_mask = input_ids == tokenizer.convert_tokens_to_ids("<|Reward|>")
+    return logits[reward_mask].view(len(prompts), -1)[:, 0]
 
 
 def test_keys_map_in_both_transformers_layouts():
@@ -178,10 +247,12 @@ def test_scores_match_the_authors_route_and_are_differentiable(files):
     assert "hpsv3" in reward_models.available()
     reward = reward_models.build("hpsv3", checkpoint=str(ckpt), base=str(base), batch_size=1)
     images = _uint8_images(2)
-    expected, _ = reference_mu(base, ckpt, state, images, PROMPTS)
+    expected = reference_mu(base, state, images, PROMPTS)
     got = reward(images, PROMPTS, [{}, {}])
     assert got.shape == (2,) and got.dtype == torch.float32 and not got.requires_grad
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # the 3D image positions of today's stock forward give other scores: the reference can tell them apart
+    assert (reference_mu(base, state, images, PROMPTS, stock_positions=True) - expected).abs().max() > 1e-3
     assert abs(float(got[0] - got[1])) > 1e-4 and reward.last_info["hpsv3_sigma"] > 0
 
     templated = reward.chat_text("a red cat", 3)
@@ -194,6 +265,17 @@ def test_scores_match_the_authors_route_and_are_differentiable(files):
     pixels = images[:1].clone().requires_grad_(True)
     reward.score(pixels, PROMPTS[:1]).sum().backward()
     assert torch.isfinite(pixels.grad).all() and pixels.grad.abs().sum() > 0
+
+
+def test_non_square_images_match_the_authors_route(files):
+    base, ckpt, state = files
+    reward = reward_models.build("hpsv3", checkpoint=str(ckpt), base=str(base), batch_size=2)
+    g = torch.Generator().manual_seed(5)
+    images = torch.randint(0, 256, (2, 3, 224, 896), generator=g).float() / 255  # 8 x 32 merged tokens: the budget
+    prompts = ["a long red train", "a wide river"]
+    expected = reference_mu(base, state, images, prompts)
+    torch.testing.assert_close(reward(images, prompts, [{}, {}]), expected, atol=1e-5, rtol=1e-5)
+    assert (reference_mu(base, state, images, prompts, stock_positions=True) - expected).abs().max() > 1e-3
 
 
 def test_new_layout_folder_and_bad_inputs(files, tmp_path):

@@ -236,6 +236,49 @@ def test_scores_match_the_reference_and_are_differentiable(files):
     assert other.shape == (2,) and torch.isfinite(other).all()
 
 
+def torchvision_center_crop(images, size):
+    """torchvision's ``CenterCrop(size)`` offsets, as BLIP's transform in ImageReward runs them:
+    ``int(round((side - size) / 2.0))`` with Python's round (half to even)."""
+    height, width = images.shape[-2:]
+    top, left = int(round((height - size) / 2.0)), int(round((width - size) / 2.0))
+    return images[..., top:top + size, left:left + size]
+
+
+@pytest.mark.parametrize("height, width", [(IMAGE, IMAGE + 7), (IMAGE + 11, IMAGE), (IMAGE + 5, IMAGE)])
+def test_non_square_images_are_cropped_as_the_authors_crop(files, height, width):
+    """Shortest side already at the model's size, so no resampling: the authors' preprocessing is
+    the centre crop alone. A long side 7 or 11 pixels over puts torchvision's offset (4, 6) one
+    pixel past transformers' (3, 5); 5 over rounds to the same offset (2)."""
+    folder, tokenizer_dir, state = files
+    reward = reward_models.build("imagereward", checkpoint=str(folder / "ImageReward.pt"), tokenizer=str(tokenizer_dir),
+                                 vision_config=TINY_VIT, batch_size=2)
+    g = torch.Generator().manual_seed(height * 100 + width)
+    images = torch.randint(0, 256, (2, 3, height, width), generator=g).float() / 255
+    expected = reference_scores(state, reward.tokenizer, torchvision_center_crop(images, IMAGE), PROMPTS)
+    with torch.no_grad():
+        got = reward(images, PROMPTS, [{}, {}])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if (max(height, width) - IMAGE) % 4 == 3:  # the floor offset would have scored other pixels
+        floor = images[..., (height - IMAGE) // 2:(height - IMAGE) // 2 + IMAGE, (width - IMAGE) // 2:(width - IMAGE) // 2 + IMAGE]
+        assert (reference_scores(state, reward.tokenizer, floor, PROMPTS) - expected).abs().max() > 1e-4
+
+
+def test_sdxl_sized_images_use_torchvision_offsets(files):
+    """SDXL's 832 x 1216 resizes to 224 x 327 at the real model's size: 103 pixels over, offset 52."""
+    from reward_models.clip_score import CLIP_MEAN as MEAN_, CLIP_STD as STD_, ClipImageTransform
+
+    transform = ClipImageTransform(resize=224, crop=(224, 224), mean=MEAN_, std=STD_, crop_offsets="torchvision")
+    images = torch.rand(1, 3, 224, 327, generator=torch.Generator().manual_seed(1))
+    expected = (images[..., :, 52:276] - torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)) / torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+    torch.testing.assert_close(transform(images), expected)
+    torch.testing.assert_close(transform(images.transpose(-1, -2)), expected.transpose(-1, -2))
+    folder, tokenizer_dir, _ = files
+    reward = ImageReward(checkpoint=str(folder / "ImageReward.pt"), tokenizer=str(tokenizer_dir), vision_config=TINY_VIT)
+    assert reward.transform.crop_offsets == "torchvision"
+    with pytest.raises(RewardError, match="crop_offsets must be one of"):
+        ClipImageTransform(resize=224, crop=(224, 224), crop_offsets="ceil")
+
+
 def test_head_and_normalisation_on_a_known_embedding(files):
     folder, _, state = files
     model = load_imagereward_model(str(folder), vision_config=TINY_VIT)

@@ -95,8 +95,41 @@ def test_bad_judges_are_named():
         out(_grey([0.0, 0.9]), ["p", "p"], [{"group": 0}] * 2)
 
 
+def pref_grpo_advantages(win_rates: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Pref-GRPO's advantages, transcribed: each group's win rates minus their mean, over torch.std's
+    default (unbiased) std of the group plus 1e-8."""
+    groups = win_rates.view(-1, group_size)
+    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-8)).flatten()
+
+
+def test_a_pairwise_reward_takes_pref_grpo_advantages_unless_the_config_sets_them():
+    from diffalign.algorithms.flow_grpo import group_advantages
+    from diffalign.recipes import config_class
+
+    rates = torch.tensor([0.2, 0.6, 0.7, 0.5, 0.9, 0.1, 0.4, 0.6])  # two groups of 4
+    for name in ("flow_grpo", "diffusion_nft", "awm"):
+        cfg = config_class(name)()
+        cfg.apply_reward_defaults(groupwise=True)
+        assert (cfg.advantage_std, cfg.advantage_unbiased_std, cfg.advantage_eps) == ("group", True, 1e-8), name
+        adv = group_advantages(rates, torch.arange(8) // 4, std_mode=cfg.advantage_std, unbiased=cfg.advantage_unbiased_std,
+                               eps=cfg.advantage_eps, clip=cfg.advantage_clip)
+        torch.testing.assert_close(adv.advantages, pref_grpo_advantages(rates, 4))
+    pointwise = config_class("flow_grpo")()
+    pointwise.apply_reward_defaults(groupwise=False)  # Flow-GRPO's batch std, as before
+    assert (pointwise.advantage_std, pointwise.advantage_unbiased_std, pointwise.advantage_eps) == ("global", False, 1e-4)
+    explicit = config_class("flow_grpo")(advantage_std="global", advantage_eps=1e-4)
+    explicit.apply_reward_defaults(groupwise=True)  # a key set in the config keeps its value
+    assert (explicit.advantage_std, explicit.advantage_unbiased_std, explicit.advantage_eps) == ("global", True, 1e-4)
+    nested = config_class("sol_rl")()
+    nested.apply_reward_defaults(groupwise=True)
+    assert nested.flow_grpo.advantage_std == nested.diffusion_nft.advantage_std == "group"
+
+
 def test_flow_grpo_trains_on_win_rates(tmp_path):
-    """configs/tiny/flow_grpo_pairwise.yaml trains an iteration; the win rates average 0.5 in every group."""
+    """configs/tiny/flow_grpo_pairwise.yaml trains an iteration; the win rates average 0.5 in every group,
+    and the run's config records Pref-GRPO's normalisation, which the config leaves to the reward."""
+    import yaml
+
     torch.set_num_threads(1)
     out = tmp_path / "run"
     assert run_cli("train", "configs/tiny/flow_grpo_pairwise.yaml", f"output_dir={out}", *FAST, "max_iterations=1",
@@ -104,6 +137,8 @@ def test_flow_grpo_trains_on_win_rates(tmp_path):
     [record] = train_records(out)
     assert record["reward_mean"] == pytest.approx(0.5) and record["reward_std"] > 0 and record["optimizer_steps"] == 1
     assert record["reward/pairwise/judgements"] == 6  # 4 x 3 / 2 per group, one group per chunk
+    algorithm = yaml.safe_load((out / "config.yaml").read_text())["algorithm"]
+    assert (algorithm["advantage_std"], algorithm["advantage_unbiased_std"], algorithm["advantage_eps"]) == ("group", True, 1e-8)
 
 
 @pytest.mark.parametrize("config", ["configs/tiny/branch_grpo_sd3.yaml", "configs/tiny/diffusion_nft_sd3.yaml"])

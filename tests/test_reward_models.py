@@ -279,5 +279,5 @@ def test_hpsv2_real_architecture_preprocessing(open_clip_tiny):
     image_size = open_clip.get_model_config("ViT-H-14")["vision_cfg"]["image_size"]
     cfg = asdict(PreprocessCfg(size=image_size))  # what create_model sets for ViT-H-14 (no preprocess_cfg in its JSON)
     transform = transform_from_open_clip("hpsv2", cfg)
-    assert (transform.resize, transform.crop) == (224, (224, 224))
+    assert (transform.resize, transform.crop, transform.crop_offsets) == (224, (224, 224), "torchvision")
     assert transform.mean == pytest.approx(open_clip.OPENAI_DATASET_MEAN)

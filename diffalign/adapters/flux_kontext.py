@@ -13,11 +13,16 @@ tensor in the unconditional half: true CFG changes the text only, as the pipelin
 sampler, kernel and update that carries prompt embeddings carries the same conditioning, for
 sampling and for re-scoring alike. Plain text prompts give FLUX.1 text-to-image.
 
-Source size: every source image is resized to ``image_resolution`` square (default: the
-adapter's default resolution, 1024 for FLUX.1 Kontext [dev], the pipeline's preferred square
-size), so that embeddings of any two batches can be concatenated. The pipeline instead picks the
-preferred Kontext resolution nearest the image's aspect ratio (``_auto_resize``); a square
-source at ``image_resolution`` gives the same latents.
+Source size (``source_resize``): ``"pipeline"`` (the default) resizes a source as
+``FluxKontextPipeline.__call__`` does by default (``_auto_resize=True``): to the resolution of
+diffusers' ``PREFERRED_KONTEXT_RESOLUTIONS`` whose aspect ratio is nearest the image's (its size
+first floored to the VAE factor by the pipeline's ``get_default_height_width``), each side floored to
+a multiple of 16 (VAE factor x packing), so a 1216 x 832 photo is encoded at 1248 x 832, not
+squashed. The sources of one batch must come out at one size (their latents are stacked): a
+batch whose sources fall on different preferred resolutions is a ``ValueError``. ``"square"``
+resizes every source to ``image_resolution`` x ``image_resolution`` (default: the adapter's
+default resolution, 1024 for FLUX.1 Kontext [dev]), whatever its aspect ratio: a choice of its
+own, which conditions the model on a squashed image unlike the pipeline.
 """
 
 from __future__ import annotations
@@ -45,11 +50,44 @@ def source_images(prompts: Sequence[str], family: str) -> Optional[list]:
     return [load_rgb(path) for path in paths]
 
 
-def preprocess_sources(pipeline, images: list, side: int) -> tuple[list, torch.Tensor]:
-    """``images`` resized to ``side x side`` by the pipeline's own image processor (its resampling)
-    and as the pipeline's VAE input ``(B, 3, side, side)`` in [-1, 1]: (resized images, tensor)."""
-    resized = [pipeline.image_processor.resize(image, side, side) for image in images]
-    return resized, pipeline.image_processor.preprocess(resized, side, side)
+SOURCE_RESIZE_MODES = ("pipeline", "square")  # the stock pipeline's sizing, or image_resolution square
+
+
+def check_source_resize(family: str, mode: str) -> str:
+    if mode not in SOURCE_RESIZE_MODES:
+        raise ModelLoadError(f"{family}: source_resize must be one of {', '.join(SOURCE_RESIZE_MODES)}, got {mode!r}")
+    return mode
+
+
+def kontext_source_size(pipeline, image) -> tuple[int, int]:
+    """``(height, width)`` ``FluxKontextPipeline.__call__`` resizes ``image`` to by default
+    (``_auto_resize=True``): the preferred Kontext resolution nearest its aspect ratio, sides
+    floored to a multiple of ``2 x vae_scale_factor``."""
+    from diffusers.pipelines.flux import pipeline_flux_kontext
+
+    height, width = pipeline.image_processor.get_default_height_width(image)
+    aspect = width / height
+    _, width, height = min((abs(aspect - w / h), w, h) for w, h in pipeline_flux_kontext.PREFERRED_KONTEXT_RESOLUTIONS)
+    multiple = pipeline.vae_scale_factor * 2
+    return height // multiple * multiple, width // multiple * multiple
+
+
+def batch_source_size(family: str, sizes: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The one ``(height, width)`` every source of a batch resizes to; ValueError when they differ."""
+    distinct = sorted(set(sizes))
+    if len(distinct) > 1:
+        shown = ", ".join(f"{h} x {w}" for h, w in distinct)
+        raise ValueError(f"{family}: the source images of one batch resize to different sizes ({shown}); give "
+                         f"sources of one aspect ratio, or set model.options.source_resize: square")
+    return distinct[0]
+
+
+def preprocess_sources(pipeline, images: list, height: int, width: int) -> tuple[list, torch.Tensor]:
+    """``images`` resized to ``height x width`` by the pipeline's own image processor (its
+    resampling) and as the pipeline's VAE input ``(B, 3, height, width)`` in [-1, 1]:
+    (resized images, tensor)."""
+    resized = [pipeline.image_processor.resize(image, height, width) for image in images]
+    return resized, pipeline.image_processor.preprocess(resized, height, width)
 
 
 class FluxKontextAdapter(FluxAdapter):
@@ -57,8 +95,11 @@ class FluxKontextAdapter(FluxAdapter):
 
     Args:
         pipeline: a loaded ``FluxKontextPipeline``.
-        image_resolution: the side (pixels) source images are resized to before encoding;
-            a multiple of 16 (VAE factor x packing). Default: the adapter's default resolution.
+        source_resize: ``"pipeline"`` (default): the pipeline's own source size (the preferred
+            Kontext resolution nearest the image's aspect ratio); ``"square"``: ``image_resolution``
+            square (module docstring).
+        image_resolution: with ``source_resize="square"``, the side (pixels) source images are
+            resized to; a multiple of 16 (VAE factor x packing). Default: the adapter's default resolution.
         guidance, max_sequence_length: as :class:`~diffalign.adapters.flux.FluxAdapter`
             (FLUX.1 Kontext [dev] is guidance-distilled: ``guidance`` 3.5, the pipeline's default).
     """
@@ -66,7 +107,7 @@ class FluxKontextAdapter(FluxAdapter):
     family = "flux_kontext"
     display_name = "FLUX.1 Kontext"
     pipeline_class = "FluxKontextPipeline"
-    options = FluxAdapter.options + ("image_resolution",)
+    options = FluxAdapter.options + ("source_resize", "image_resolution")
 
     def __init__(
         self,
@@ -74,10 +115,12 @@ class FluxKontextAdapter(FluxAdapter):
         *,
         guidance: float = FLUX_DEV_GUIDANCE,
         max_sequence_length: Optional[int] = None,
+        source_resize: str = "pipeline",
         image_resolution: Optional[int] = None,
         **base,  # device, dtype: see ModelAdapter
     ):
         super().__init__(pipeline, guidance=guidance, max_sequence_length=max_sequence_length, **base)
+        self.source_resize = check_source_resize("flux_kontext", source_resize)
         self.image_resolution = image_resolution or self.default_resolution
         multiple = 2 * self.vae_scale_factor
         if self.image_resolution <= 0 or self.image_resolution % multiple:
@@ -86,7 +129,10 @@ class FluxKontextAdapter(FluxAdapter):
     @classmethod
     def build_tiny(cls, *, device="cpu", dtype=torch.float32, seed: int = 0, **kwargs) -> "FluxKontextAdapter":
         """The tiny FLUX.1 build of :meth:`FluxAdapter.build_tiny` as a ``FluxKontextPipeline``;
-        source images are resized to 32 px (16 x 16 latents, 64 more tokens)."""
+        source images are resized to 32 px square (16 x 16 latents, 64 more tokens): the pipeline's
+        own sizes (about a megapixel) would give its 2x VAE some 65,000 source tokens. Pass
+        ``source_resize="pipeline"`` for the pipeline's sizing."""
+        kwargs.setdefault("source_resize", "square")
         kwargs.setdefault("image_resolution", 32)
         return super().build_tiny(device=device, dtype=dtype, seed=seed, **kwargs)
 
@@ -106,11 +152,17 @@ class FluxKontextAdapter(FluxAdapter):
 
     @torch.no_grad()
     def encode_sources(self, images: list) -> torch.Tensor:
-        """RGB images -> normalised source latents ``(B, C, h', w')`` at ``image_resolution``, as
+        """RGB images -> normalised source latents ``(B, C, h', w')`` at :meth:`source_size`, as
         ``FluxKontextPipeline.prepare_latents`` encodes them (before packing)."""
         pipe = self.pipeline
-        _, pixels = preprocess_sources(pipe, images, self.image_resolution)
+        _, pixels = preprocess_sources(pipe, images, *self.source_size(images))
         return pipe._encode_vae_image(pixels.to(device=self.device, dtype=pipe.vae.dtype), generator=None).float()
+
+    def source_size(self, images: list) -> tuple[int, int]:
+        """``(height, width)`` the batch's source images are resized to (``source_resize``)."""
+        if self.source_resize == "square":
+            return self.image_resolution, self.image_resolution
+        return batch_source_size(self.family, [kontext_source_size(self.pipeline, image) for image in images])
 
     def _source_tokens(self, kw: dict, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         source = kw.get(SOURCE_KEY)

@@ -32,6 +32,7 @@ def group_advantages(
     group_ids: torch.Tensor,
     *,
     std_mode: str = "global",
+    unbiased: bool = False,
     eps: float = 1e-4,
     clip: float = 5.0,
     filter_zero_std: bool = True,
@@ -43,7 +44,9 @@ def group_advantages(
         rewards: (N,) rewards; non-finite entries are excluded from every statistic and get A = 0.
         group_ids: (N,) integer id of each sample's prompt group.
         std_mode: ``"global"`` — std over all finite rewards of the batch (Flow-GRPO's default);
-            ``"group"`` — std within each group.
+            ``"group"`` — std within each group (Pref-GRPO's win rates).
+        unbiased: Bessel's std (``N - 1``, torch.std's default, as Pref-GRPO) instead of the
+            population std (``N``, Flow-GRPO).
         filter_zero_std: mark samples of groups whose rewards are all equal as not kept.
     """
     if std_mode not in ("global", "group"):
@@ -52,7 +55,7 @@ def group_advantages(
     finite = torch.isfinite(rewards)
     adv = torch.zeros_like(rewards)
     keep = finite.clone()
-    global_std = rewards[finite].std(unbiased=False) if finite.sum() > 1 else torch.tensor(0.0)
+    global_std = rewards[finite].std(unbiased=unbiased) if finite.sum() > 1 else torch.tensor(0.0)
     groups = torch.unique(group_ids)
     zero_std = 0
     for g in groups:
@@ -60,7 +63,7 @@ def group_advantages(
         r = rewards[member]
         if r.numel() == 0:
             continue
-        group_std = r.std(unbiased=False) if r.numel() > 1 else torch.tensor(0.0)
+        group_std = r.std(unbiased=unbiased) if r.numel() > 1 else torch.tensor(0.0)
         if group_std <= zero_std_tol:
             zero_std += 1
             if filter_zero_std:

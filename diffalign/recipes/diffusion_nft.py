@@ -239,7 +239,8 @@ class DiffusionNFTTrainer(Trainer):
         samples = self.rollout(iteration)
         t_update = time.perf_counter()
         adv, record = gathered_group_advantages(self, samples.rewards, samples.n_global, iteration,
-                                                std_mode=algo.advantage_std, eps=algo.advantage_eps, clip=algo.advantage_clip,
+                                                std_mode=algo.advantage_std, unbiased=algo.advantage_unbiased_std,
+                                                eps=algo.advantage_eps, clip=algo.advantage_clip,
                                                 filter_zero_std=algo.filter_zero_std_groups)
         record.update(samples.info)
         record.update(self.update(samples, adv.advantages, adv.keep))

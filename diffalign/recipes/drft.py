@@ -47,6 +47,12 @@ from diffalign.training.groups import GroupRollout
 from diffalign.training.rewards import reward_info
 
 
+# ImageReward's ReFL samples 40 steps and stops at a step drawn from 30..39 (s steps taken, x0
+# predicted from there): s / num_steps in [30 / 40, 39 / 40].
+REFL_REFERENCE_STEPS, REFL_REFERENCE_STOPS = 40, (30, 39)
+REFL_RANGE = tuple(s / REFL_REFERENCE_STEPS for s in REFL_REFERENCE_STOPS)  # (0.75, 0.975)
+
+
 @dataclass
 class DrftConfig(AlgorithmConfig):
     """``algorithm.*`` of DRaFT-K / DRaFT-LV / ReFL (docs/drft.md)."""
@@ -54,7 +60,7 @@ class DrftConfig(AlgorithmConfig):
     name: str = "drft"
     mode: Literal["drft", "refl", "drft_lv"] = "drft"  # which gradient estimate (module docstring)
     grad_steps: int = 1  # K of DRaFT-K: the last K sampling steps carry gradient (the paper: K = 1 is best per cost)
-    refl_range: list[float] = field(default_factory=lambda: [0.7, 0.9])  # ReFL stops at s with s / num_steps in this range
+    refl_range: list[float] = field(default_factory=lambda: list(REFL_RANGE))  # ReFL stops at s with s / num_steps in this range
     lv_samples: int = 2  # DRaFT-LV: re-noisings of the final sample (the paper: 2)
     reward_scale: float = 1.0  # loss = -reward_scale x mean reward
     stochastic: bool = False  # sample with the kernel's SDE step (fixed noise) instead of the ODE
@@ -169,7 +175,7 @@ class DrftTrainer(Trainer):
                 prompts = [plan.sample_prompts[int(r)] for r in rows for _ in range(n_rep)]
                 images = self.adapter.decode_with_grad(latents).float().clamp(0, 1)
                 self.guard_finals(images, prompts, iteration)  # train.guard's verifier (no gradient: it scores a detached copy)
-                rewards = reward_models.call_reward(self.reward_fn, images, prompts, [{} for _ in prompts])
+                rewards = self.call_reward(images, prompts)  # retried on failure, as every recipe's
                 scored = self.check_rewards(reward_models.check_reward_output(cfg.reward.name, rewards, len(prompts)), iteration)
                 results.append((scored, dict(getattr(self.reward_fn, "last_info", None) or {})))
                 out = drft_loss(rewards, scale=a.reward_scale, normalizer=group.global_terms * n_rep)

@@ -88,7 +88,7 @@ class FlowGRPOTrainer(Trainer):
         traj, embeds, sample_ids, n_global, rewards, info = self.rollout(iteration)
         t_rollout = time.perf_counter() - t0
         adv, record = gathered_group_advantages(self, rewards, n_global, iteration, std_mode=algo.advantage_std,
-                                                eps=algo.advantage_eps, clip=algo.advantage_clip,
+                                                unbiased=algo.advantage_unbiased_std, eps=algo.advantage_eps, clip=algo.advantage_clip,
                                                 filter_zero_std=algo.filter_zero_std_groups)
         record.update(info)
         t0 = time.perf_counter()

@@ -91,6 +91,10 @@ class SolRLConfig(AlgorithmConfig):
         self.update.check_sampling(sampling, f"{prefix}.{self.optimizer}")
         super().check_sampling(sampling, prefix)
 
+    def apply_reward_defaults(self, groupwise: bool) -> None:
+        self.diffusion_nft.apply_reward_defaults(groupwise)
+        self.flow_grpo.apply_reward_defaults(groupwise)
+
     def validate(self, prefix: str = "algorithm") -> None:
         check(self.pool_size >= 2, f"{prefix}.pool_size", "must be >= 2")
         check(self.stage1_steps >= 1, f"{prefix}.stage1_steps", "must be >= 1 (stage-1 ODE steps)")

@@ -108,13 +108,14 @@ def reward_summary(rewards: torch.Tensor) -> dict[str, float]:
 
 
 def gathered_group_advantages(trainer, rewards: torch.Tensor, n_global: int, iteration: int, *, std_mode: str,
-                              eps: float, clip: float, filter_zero_std: bool):
+                              eps: float, clip: float, filter_zero_std: bool, unbiased: bool = False):
     """Check this process's rewards, gather every process's (sample order), and compute the group
     advantages of :func:`diffalign.algorithms.flow_grpo.group_advantages`. Returns the advantages
     and the iteration's reward and advantage statistics."""
     rewards = trainer.check_rewards(rewards, iteration)
     all_rewards = trainer.accelerator.gather(rewards.to(trainer.device)).cpu()  # (n_global,) in sample order
     group_ids = torch.arange(n_global) // trainer.cfg.rollout.group_size
-    adv = group_advantages(all_rewards, group_ids, std_mode=std_mode, eps=eps, clip=clip, filter_zero_std=filter_zero_std)
+    adv = group_advantages(all_rewards, group_ids, std_mode=std_mode, unbiased=unbiased, eps=eps, clip=clip,
+                           filter_zero_std=filter_zero_std)
     return adv, {**reward_summary(all_rewards), "advantage_abs_mean": float(adv.advantages.abs().mean()),
                  "zero_std_frac": adv.zero_std_fraction, "kept_frac": float(adv.keep.float().mean())}

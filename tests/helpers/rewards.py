@@ -22,9 +22,10 @@ def wrong_shape_reward(device="cpu"):
 CALLS: list[int] = []  # batch sizes of the calls of the last counting_reward built
 
 
-def counting_reward(fail_calls=(), device="cpu"):
+def counting_reward(fail_calls=(), differentiable=False, device="cpu"):
     """Brightness (mean pixel value) that raises a RewardError on the calls numbered in ``fail_calls``
-    (0-based over the reward's life) and records every call's batch size in ``CALLS``."""
+    (0-based over the reward's life) and records every call's batch size in ``CALLS``;
+    ``differentiable``: declared so (its graph runs back to the images), for DRaFT / ReFL."""
     from diffalign.errors import RewardError
 
     CALLS.clear()
@@ -35,6 +36,7 @@ def counting_reward(fail_calls=(), device="cpu"):
             raise RewardError(f"counting reward: call {len(CALLS) - 1} fails")
         return images.mean(dim=(1, 2, 3)).float()
 
+    reward.differentiable = bool(differentiable)
     return reward
 
 
