@@ -441,6 +441,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reports(exc: BaseException) -> bool:
+    """Whether this process prints ``exc``: an error every process of a launch raised together
+    (``agreed``) is printed by the first one only (``RANK`` as torchrun and accelerate set it)."""
+    return not getattr(exc, "agreed", False) or os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # overrides may follow flags (`train c.yaml --overwrite a.b=1`): collect them from the leftovers
@@ -458,10 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except DiffalignError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if _reports(exc):
+            print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as exc:
-        print(f"interrupted: {exc}", file=sys.stderr)
+        if _reports(exc):
+            print(f"interrupted: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted; resume with: diffalign resume <output_dir>", file=sys.stderr)

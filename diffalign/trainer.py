@@ -26,7 +26,7 @@ from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
 from diffalign.config_files import dump_config, to_dict
-from diffalign.errors import ConfigError, DiffalignError, Interrupted
+from diffalign.errors import ConfigError, DiffalignError, Interrupted, RewardError
 from diffalign.images import prompt_metadata, prompt_record
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.report import write_report
@@ -36,7 +36,7 @@ from diffalign.training.backend import Backend, OptimizerStep, allow_precision, 
 from diffalign.training.checks import check_config, check_on_policy, max_log_ratio
 from diffalign.training.interrupts import StopSignals
 from diffalign.training.policy import prepare_denoiser
-from diffalign.training.rewards import RewardFailures, RewardPool, call_with_retries, reward_info
+from diffalign.training.rewards import RewardFailures, RewardPool, agree_on_failure, call_with_retries, collect, reward_info
 
 __all__ = ["Trainer", "build_trainer", "reward_info"]
 
@@ -71,6 +71,7 @@ class Trainer:
         self.self_check_log_ratio: Optional[float] = None  # max |log ratio| of the on-policy self-check
         self._saved_iteration: Optional[int] = None  # the iteration of the last checkpoint written (or resumed from)
         self._updated_in_iteration = False  # an optimizer step was taken in this iteration (guarded_iteration)
+        self._iteration = 0  # the iteration running (its number in reward messages)
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -196,6 +197,21 @@ class Trainer:
             group_size = self.cfg.rollout.group_size
         return self.reward_pool.submit(images, prompts, groups, group_size)
 
+    def reward_results(self, futures) -> list[tuple[torch.Tensor, dict]]:
+        """The (rewards (B,), info) of a rollout's :meth:`score_async` calls, once every process
+        has them: a collective, called by every process once its rollout is sampled. A reward that
+        failed on any process (or, with ``reward.nonfinite=error``, returned NaN / inf) stops every
+        process here together (:func:`~diffalign.training.rewards.agree_on_failure`), before any
+        of them gathers rewards or updates."""
+        results, error = collect(futures)
+        if error is None and self.cfg.reward.nonfinite == "error" and results:
+            try:
+                self.reward_pool.check(torch.cat([r.flatten() for r, _ in results]), self._iteration)
+            except RewardError as exc:
+                error = exc
+        agree_on_failure(error, self.accelerator, self.device)
+        return results
+
     def check_rewards(self, rewards: torch.Tensor, iteration: int) -> torch.Tensor:
         """Count non-finite rewards; stop (``reward.nonfinite=error``) or leave them for masking."""
         return self.reward_pool.check(rewards, iteration)
@@ -235,8 +251,13 @@ class Trainer:
     def guarded_iteration(self, it: int) -> dict:
         """:meth:`iteration`; when the reward fails for good before any update of the iteration,
         the random streams go back to where the iteration began and a checkpoint is written there,
-        so that ``diffalign resume`` repeats the iteration exactly once the reward works again."""
+        so that ``diffalign resume`` repeats the iteration exactly once the reward works again.
+
+        With several processes the failure reaches every process at the same point
+        (:meth:`reward_results`), so all of them write that one checkpoint together (a collective
+        under ZeRO and FSDP) and stop with the same message, printed once."""
         self._updated_in_iteration = False
+        self._iteration = it
         boundary = checkpoints.stream_state(self)
         try:
             return self.iteration(it)
@@ -248,7 +269,9 @@ class Trainer:
                 self.save_checkpoint(it)
             saved = self._saved_iteration
             kept = f"checkpoint at iteration {saved}" if saved is not None else "no checkpoint"
-            raise DiffalignError(f"stopped: {exc}; {kept}; fix the reward, then: diffalign resume {self.run_dir}") from None
+            stop = DiffalignError(f"stopped: {exc}; {kept}; fix the reward, then: diffalign resume {self.run_dir}")
+            stop.agreed = exc.agreed
+            raise stop from None
 
     def accumulate(self, loss: torch.Tensor) -> bool:
         """Backward one micro-batch's loss (normalised by the global number of terms of the step);

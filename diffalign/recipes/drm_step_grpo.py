@@ -151,7 +151,7 @@ class DRMStepGRPOTrainer(TransitionTrainer):
     def iteration(self, iteration: int) -> dict:
         algo, num_steps = self.algo, self.cfg.sampling.num_steps
         ro = self.rollout(iteration)
-        finals, info = self.score(ro["images"], ro["prompts"])
+        (finals, info), = self.reward_results([self.score_async(ro["images"], ro["prompts"])])  # agreed over processes
         finals = self.check_rewards(finals, iteration)
         all_finals = self.accelerator.gather(finals.to(self.device)).cpu()
         ok = torch.isfinite(all_finals)

@@ -331,7 +331,7 @@ class SolRLGRPOTrainer(TwoStageRollout, FlowGRPOTrainer):
                                      kernel=self.kernel, sde_mask=sde_mask, keep_latents=True)
             trajs.append(traj)
             futures.append(self.score_async(traj.images, sample_prompts[rows], groups[rows], k))
-        results = [f.result() for f in futures]
+        results = self.reward_results(futures)
         rewards = torch.cat([r for r, _ in results]) if results else torch.empty(0)
         info = self.gather_info(reward_info(results))
         info["time/stage2"] = time.perf_counter() - t0

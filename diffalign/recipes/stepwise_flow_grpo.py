@@ -95,7 +95,7 @@ class StepwiseFlowGRPOTrainer(TransitionTrainer):
             repeated = [p for p in plan.sample_prompts[idx] for _ in range(s.num_steps + 1)]
             futures.append(self.score_async(images, repeated))  # one call for all T+1 estimates of the chunk
             trajs.append(traj)
-        rewards = torch.cat([f.result()[0] for f in futures]).view(plan.n_local, s.num_steps + 1)
+        rewards = torch.cat([r for r, _ in self.reward_results(futures)]).view(plan.n_local, s.num_steps + 1)
         return DenseTrajectory.cat(trajs), plan.embeds, plan.first, plan.n_global, rewards
 
     # ---- one iteration ----------------------------------------------------------------------

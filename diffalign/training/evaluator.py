@@ -22,11 +22,13 @@ import torch
 from diffalign import runs
 from diffalign.adapters import ModelAdapter
 from diffalign.config import EvalConfig
+from diffalign.errors import RewardError
 from diffalign.evaluation import Evaluation, interval_record, shapes_records
 from diffalign.images import labelled_grid, sample_grid, save_png, short_prompt
 from diffalign.runs import eval_records_path
 from diffalign.sampling import sample_images
 from diffalign.shapes import evaluation_prompts
+from diffalign.training.rewards import agree_on_failure
 
 GRID_PER_FAMILY = 8  # ShapesWorld grids: images per GenEval family (one row each)
 GRID_IMAGES = 16  # other image grids: the first 16 images (two rows), so a grid of large images stays small
@@ -76,16 +78,25 @@ def evaluate(setup: EvalSetup, iteration: int, *, save_grid: bool = True, probe:
     """Sample the eval prompts with fixed seeds (ODE) and score them; the record on the main
     process, {} on the others. ``probe``: also evaluate the generalisation probe."""
     acc = setup.accelerator
+    # The processes meet after the evaluation in agree_on_failure rather than at a plain barrier: a
+    # reward that failed on one process stops every process there, instead of leaving the others waiting.
     if setup.sharded:  # sharded forwards: every process samples the same images
-        record = _run(setup, iteration, save_grid=save_grid, probe=probe)
-        acc.wait_for_everyone()
+        record = _agreed_run(setup, iteration, save_grid=save_grid, probe=probe)
         return record if acc.is_main_process else {}
     if not acc.is_main_process:
-        acc.wait_for_everyone()
+        agree_on_failure(None, acc, acc.device)
         return {}
-    record = _run(setup, iteration, save_grid=save_grid, probe=probe)
-    if acc.num_processes > 1:
-        acc.wait_for_everyone()
+    return _agreed_run(setup, iteration, save_grid=save_grid, probe=probe)
+
+
+def _agreed_run(setup: EvalSetup, iteration: int, **kwargs) -> dict:
+    """:func:`_run` on this process, then every process learns whether the reward failed on any."""
+    record, error = {}, None
+    try:
+        record = _run(setup, iteration, **kwargs)
+    except RewardError as exc:
+        error = exc
+    agree_on_failure(error, setup.accelerator, setup.accelerator.device)
     return record
 
 
