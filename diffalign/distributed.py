@@ -190,6 +190,21 @@ def load_optimizer_state(zero_optimizer, state: dict, where: str) -> None:
     zero_optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
 
 
+def end_process_group() -> None:
+    """End the process groups of a launched run, on every process at the same point (nothing to do
+    without one). The barrier waits until every collective issued so far has finished on every
+    process, so that gloo's worker threads hold no finished work (with its tensors) when the
+    interpreter shuts down; left to the interpreter's exit instead, such a thread may release the
+    last reference to a tensor while Python finalizes, and the interpreter ends a thread that needs
+    it then by unwinding it, which through a C++ destructor is ``std::terminate`` ("terminate called
+    without an active exception", SIGABRT) after a run that had finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def enable_xformers(adapter) -> None:
     """Memory-efficient attention from xformers for the pipeline (CUDA only)."""
     if not torch.cuda.is_available():

@@ -358,12 +358,22 @@ class Trainer:
             self.log(line)
 
     def train(self) -> dict:
-        """Run to ``max_iterations``; returns the last eval record (or {})."""
+        """Run to ``max_iterations``; returns the last eval record (or {}). A launched run ends its
+        process group on every process before it returns, and when every process stops together
+        (``agreed``: a reward failure, non-finite losses, a signal); after an error on one process
+        alone the others may still wait in a collective, and the group is left as it is."""
         self.setup()
         self.print_header()
         self.stop_signals = StopSignals(self._log)
-        with self.stop_signals.installed():
-            return self._train_loop()
+        try:
+            with self.stop_signals.installed():
+                last_eval = self._train_loop()
+        except (DiffalignError, Interrupted) as exc:
+            if exc.agreed:
+                distributed.end_process_group()
+            raise
+        distributed.end_process_group()
+        return last_eval
 
     def apply_lr_schedule(self, iteration: int) -> float | None:
         """Set this iteration's learning rate from ``optim.lr_schedule`` / ``warmup_iterations``;
