@@ -476,5 +476,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_SIGINT
 
 
+def _exit(code: int) -> None:
+    """Exit with ``code``. A launched process (torchrun and accelerate set ``WORLD_SIZE``) leaves
+    at once after flushing its output, without the interpreter's shutdown: FSDP2's device mesh and
+    the modules keep gloo's process group, and its threads, alive after
+    ``destroy_process_group`` (:func:`diffalign.distributed.end_process_group`), and tearing them
+    down while Python finalizes can end in ``std::terminate`` (SIGABRT) after a finished run. Files
+    are written and synced as they go and trackers are closed by the trainer, so nothing is left
+    for the shutdown to do."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

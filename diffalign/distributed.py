@@ -192,12 +192,12 @@ def load_optimizer_state(zero_optimizer, state: dict, where: str) -> None:
 
 def end_process_group() -> None:
     """End the process groups of a launched run, on every process at the same point (nothing to do
-    without one). The barrier waits until every collective issued so far has finished on every
-    process, so that gloo's worker threads hold no finished work (with its tensors) when the
-    interpreter shuts down; left to the interpreter's exit instead, such a thread may release the
-    last reference to a tensor while Python finalizes, and the interpreter ends a thread that needs
-    it then by unwinding it, which through a C++ destructor is ``std::terminate`` ("terminate called
-    without an active exception", SIGABRT) after a run that had finished."""
+    without one): a barrier, so that every collective issued so far has finished on every process
+    and none leaves while another still talks to it, then ``destroy_process_group``. The command
+    line then leaves without the interpreter's shutdown (``diffalign.cli._exit``): gloo's threads
+    outlive ``destroy_process_group`` (the FSDP2 device mesh and the sharded modules still hold the
+    group), and tearing them down while Python finalizes can end in ``std::terminate`` ("terminate
+    called without an active exception", SIGABRT) after a run that had finished."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
