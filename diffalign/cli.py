@@ -554,6 +554,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reports(exc: BaseException) -> bool:
+    """Whether this process prints ``exc``: an error every process of a launch raised together
+    (``agreed``) is printed by the first one only (``RANK`` as torchrun and accelerate set it)."""
+    return not getattr(exc, "agreed", False) or os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # plain `diffalign`: what it can do, not an error
@@ -577,15 +583,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except DiffalignError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if _reports(exc):
+            print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as exc:
-        print(f"interrupted: {exc}", file=sys.stderr)
+        if _reports(exc):
+            print(f"interrupted: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted; resume with: diffalign resume <output_dir>", file=sys.stderr)
         return EXIT_SIGINT
 
 
+def _exit(code: int) -> None:
+    """Exit with ``code``. A launched process (torchrun and accelerate set ``WORLD_SIZE``) leaves
+    at once after flushing its output, without the interpreter's shutdown: FSDP2's device mesh and
+    the modules keep gloo's process group, and its threads, alive after
+    ``destroy_process_group`` (:func:`diffalign.distributed.end_process_group`), and tearing them
+    down while Python finalizes can end in ``std::terminate`` (SIGABRT) after a finished run. Files
+    are written and synced as they go and trackers are closed by the trainer, so nothing is left
+    for the shutdown to do."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

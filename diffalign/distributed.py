@@ -190,6 +190,21 @@ def load_optimizer_state(zero_optimizer, state: dict, where: str) -> None:
     zero_optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
 
 
+def end_process_group() -> None:
+    """End the process groups of a launched run, on every process at the same point (nothing to do
+    without one): a barrier, so that every collective issued so far has finished on every process
+    and none leaves while another still talks to it, then ``destroy_process_group``. The command
+    line then leaves without the interpreter's shutdown (``diffalign.cli._exit``): gloo's threads
+    outlive ``destroy_process_group`` (the FSDP2 device mesh and the sharded modules still hold the
+    group), and tearing them down while Python finalizes can end in ``std::terminate`` ("terminate
+    called without an active exception", SIGABRT) after a run that had finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def enable_xformers(adapter) -> None:
     """Memory-efficient attention from xformers for the pipeline (CUDA only)."""
     if not torch.cuda.is_available():

@@ -7,7 +7,12 @@ The CLI turns these into ``error: <message>`` on stderr and exit code 2.
 
 
 class DiffalignError(Exception):
-    """Base class for errors caused by user input. Message is one line and names the culprit."""
+    """Base class for errors caused by user input. Message is one line and names the culprit.
+
+    ``agreed``: raised by every process of a multi-process run together, after they agreed to stop
+    (the message is true on each); the CLI prints it on the main process only."""
+
+    agreed = False
 
 
 class ConfigError(DiffalignError):
@@ -32,12 +37,18 @@ class NonFiniteError(DiffalignError):
 
 class GuardStop(DiffalignError):
     """The reward-hacking guard (``train.guard.action=stop``) saw the learned reward rise while its
-    verifier fell; the run wrote a checkpoint and stopped. The message names both trends."""
+    verifier fell; the run wrote a checkpoint and stopped. The message names both trends. Every
+    process decides it from the same reduced scores, so every process raises it together."""
+
+    agreed = True
 
 
 class Interrupted(Exception):
     """Training stopped on SIGINT / SIGTERM after finishing its iteration and writing a checkpoint.
-    ``exit_code`` is 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM)."""
+    ``exit_code`` is 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM). Every process
+    raises it together (the stop request is agreed), so it is ``agreed`` as a DiffalignError is."""
+
+    agreed = True
 
     def __init__(self, signum: int, iteration: int, run_dir: str, checkpoint: bool = True):
         import signal

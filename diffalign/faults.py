@@ -9,6 +9,11 @@ Values (comma-separated):
   after its N-th durable file write (a stop request arriving mid-run).
 - ``enospc-in-checkpoint=K``: the K-th checkpoint of the process fails with
   ``OSError(ENOSPC)`` after its tensor file was written (a full disk halfway through).
+- ``reward-down-at=K`` and ``reward-down-for=N`` (default 1): reward calls K to K + N - 1 of the
+  process (counted from 1, retries included) fail with ``RewardError`` before the reward runs (a
+  reward server that is down for a while).
+- ``rank=R``: the faults apply on process R of a launch only (``RANK`` as torchrun and accelerate
+  set it; 0 without a launcher); the other processes run clean.
 
 Unset (the normal case), every hook is a dictionary lookup and nothing else.
 """
@@ -20,16 +25,21 @@ import os
 import signal
 from pathlib import Path
 
+from diffalign.errors import RewardError
+
 ENV = "DIFFALIGN_FAULT"
-_counts = {"writes": 0, "checkpoints": 0}
+_counts = {"writes": 0, "checkpoints": 0, "reward_calls": 0}
 
 
 def _spec() -> dict[str, int]:
+    """The faults of this process ({} where ``rank`` names another one)."""
     raw = os.environ.get(ENV, "")
     out = {}
     for part in filter(None, (p.strip() for p in raw.split(","))):
         name, _, value = part.partition("=")
         out[name] = int(value or 1)
+    if "rank" in out and out["rank"] != int(os.environ.get("RANK", "0")):
+        return {}
     return out
 
 
@@ -54,6 +64,17 @@ def checkpoint_file_written(path: Path) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
+def reward_called() -> None:
+    """Called before each reward call (each attempt of ``call_with_retries``)."""
+    if ENV not in os.environ:
+        return
+    _counts["reward_calls"] += 1
+    spec = _spec()
+    first = spec.get("reward-down-at")
+    if first is not None and first <= _counts["reward_calls"] < first + spec.get("reward-down-for", 1):
+        raise RewardError(f"reward call {_counts['reward_calls']} failed ({ENV}=reward-down-at={first})")
+
+
 def reset() -> None:
     """Restart the counters (tests that run several commands in one process)."""
-    _counts.update(writes=0, checkpoints=0)
+    _counts.update(writes=0, checkpoints=0, reward_calls=0)

@@ -26,7 +26,7 @@ from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
 from diffalign.config import RunConfig
 from diffalign.config_files import dump_config, to_dict
-from diffalign.errors import ConfigError, DiffalignError, GuardStop, Interrupted
+from diffalign.errors import ConfigError, DiffalignError, GuardStop, Interrupted, RewardError
 from diffalign.images import prompt_metadata, prompt_record
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.report import write_report
@@ -37,7 +37,7 @@ from diffalign.training.checks import check_config, check_on_policy, max_log_rat
 from diffalign.training.guard import RewardGuard
 from diffalign.training.interrupts import StopSignals
 from diffalign.training.policy import prepare_denoiser
-from diffalign.training.rewards import RewardFailures, RewardPool, call_with_retries, reward_info
+from diffalign.training.rewards import RewardFailures, RewardPool, agree_on_failure, call_with_retries, collect, reward_info
 
 __all__ = ["Trainer", "build_trainer", "reward_info"]
 
@@ -83,6 +83,7 @@ class Trainer:
         self.finished: Optional[int] = None  # a resumed run that had already finished: the iterations it trained
         self.guard: Optional[RewardGuard] = None  # train.guard with a verifier (built in setup)
         self._guard_stop: Optional[str] = None  # the guard's stop message, carried out after the iteration's record
+        self._iteration = 0  # the iteration running (its number in reward messages)
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -272,6 +273,21 @@ class Trainer:
             self.save_checkpoint(done)
         raise GuardStop(self._guard_stop)
 
+    def reward_results(self, futures) -> list[tuple[torch.Tensor, dict]]:
+        """The (rewards (B,), info) of a rollout's :meth:`score_async` calls, once every process
+        has them: a collective, called by every process once its rollout is sampled. A reward that
+        failed on any process (or, with ``reward.nonfinite=error``, returned NaN / inf) stops every
+        process here together (:func:`~diffalign.training.rewards.agree_on_failure`), before any
+        of them gathers rewards or updates."""
+        results, error = collect(futures)
+        if error is None and self.cfg.reward.nonfinite == "error" and results:
+            try:
+                self.reward_pool.check(torch.cat([r.flatten() for r, _ in results]), self._iteration)
+            except RewardError as exc:
+                error = exc
+        agree_on_failure(error, self.accelerator, self.device)
+        return results
+
     def check_rewards(self, rewards: torch.Tensor, iteration: int) -> torch.Tensor:
         """Count non-finite rewards; stop (``reward.nonfinite=error``) or leave them for masking."""
         return self.reward_pool.check(rewards, iteration)
@@ -311,10 +327,15 @@ class Trainer:
     def guarded_iteration(self, it: int) -> dict:
         """:meth:`iteration`; when the reward fails for good before any update of the iteration,
         the random streams go back to where the iteration began and a checkpoint is written there,
-        so that ``diffalign resume`` repeats the iteration exactly once the reward works again."""
+        so that ``diffalign resume`` repeats the iteration exactly once the reward works again.
+
+        With several processes the failure reaches every process at the same point
+        (:meth:`reward_results`), so all of them write that one checkpoint together (a collective
+        under ZeRO and FSDP) and stop with the same message, printed once."""
         self._updated_in_iteration = False
         if self.guard is not None:
             self.guard.begin()
+        self._iteration = it
         boundary = checkpoints.stream_state(self)
         try:
             return self.iteration(it)
@@ -326,7 +347,9 @@ class Trainer:
                 self.save_checkpoint(it)
             saved = self._saved_iteration
             kept = f"checkpoint at iteration {saved}" if saved is not None else "no checkpoint"
-            raise DiffalignError(f"stopped: {exc}; {kept}; fix the reward, then: diffalign resume {self.run_dir}") from None
+            stop = DiffalignError(f"stopped: {exc}; {kept}; fix the reward, then: diffalign resume {self.run_dir}")
+            stop.agreed = exc.agreed
+            raise stop from None
 
     def accumulate(self, loss: torch.Tensor) -> bool:
         """Backward one micro-batch's loss (normalised by the global number of terms of the step);
@@ -422,7 +445,10 @@ class Trainer:
     def train(self) -> dict:
         """Run to ``max_iterations``; returns the last eval record (or {}). A resumed run that had
         already finished (:func:`diffalign.runs.finished_iterations`) is left as it is: one line says
-        so and how to extend it, and {} is returned."""
+        so and how to extend it, and {} is returned. A launched run ends its process group on every
+        process before it returns, and when every process stops together (``agreed``: a reward
+        failure, non-finite losses, a signal); after an error on one process alone the others may
+        still wait in a collective, and the group is left as it is."""
         try:
             self.setup()
         except _Finished:  # resumed after it finished: final/ and the report stay as they are
@@ -432,8 +458,15 @@ class Trainer:
             return {}
         self.print_header()
         self.stop_signals = StopSignals(self._log)
-        with self.stop_signals.installed():
-            return self._train_loop()
+        try:
+            with self.stop_signals.installed():
+                last_eval = self._train_loop()
+        except (DiffalignError, Interrupted) as exc:
+            if exc.agreed:
+                distributed.end_process_group()
+            raise
+        distributed.end_process_group()
+        return last_eval
 
     def apply_lr_schedule(self, iteration: int) -> float | None:
         """Set this iteration's learning rate from ``optim.lr_schedule`` / ``warmup_iterations``;

@@ -82,7 +82,11 @@ def test_pool_holds_chunks_until_their_groups_are_whole(asynchronous):
         pool.submit(images, ["p"] * 8)
 
 
-def test_pool_tells_a_pointwise_reward_the_groups_and_stops_calling_after_a_failure():
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_pool_tells_a_pointwise_reward_the_groups_and_stops_calling_after_a_failure(asynchronous):
+    """A failed call raises where its result is asked for, on either path (not where it is made:
+    the rollout goes on sampling, every process meeting at Trainer.reward_results), and the calls
+    after it are not made."""
     calls = []
 
     def score(images, prompts, metadata):
@@ -91,14 +95,14 @@ def test_pool_tells_a_pointwise_reward_the_groups_and_stops_calling_after_a_fail
             raise RewardError("down")
         return torch.zeros(len(prompts)), {}
 
-    pool = RewardPool(score, asynchronous=True, reward_name="r", nonfinite="error", stats={})
+    pool = RewardPool(score, asynchronous=asynchronous, reward_name="r", nonfinite="error", stats={})
     futures = [pool.submit(torch.zeros(2, 3, 2, 2), ["p", "p"], torch.tensor([g, g])) for g in (0, 1)]
     with pytest.raises(RewardError, match="down"):
         futures[0].result()
     with pytest.raises(RewardError, match="after an earlier failed call"):
         futures[1].result()
     pool.shutdown()
-    assert calls == [[0, 0]]  # the queued call was not made, as the synchronous path would not have sampled it
+    assert calls == [[0, 0]]  # the later call was not made
     assert pool.submit(torch.zeros(1, 3, 2, 2), ["p"]).result()[0].shape == (1,) and calls[-1] == [None]
     pool.shutdown()
 

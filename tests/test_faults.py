@@ -183,3 +183,37 @@ def test_allowed_config_change_is_logged_in_the_run(tmp_path, tmp_path_factory):
     assert run_cli("resume", str(out), f"max_iterations={ITERS + 1}", "prompts.train=[a horse]", "--allow-config-change") == 0
     (change,) = runs.read_jsonl(out / "config_changes.jsonl")
     assert change["iteration"] == ITERS and change["changes"]["prompts"]["now"]["train"] == ["a horse"]
+
+
+# Two processes where the reward fails on the second only, at its second call (iteration 1's: one
+# call per process and iteration). reward.max_failures=1: failing once is retried, twice stops.
+FAIL_ON_SECOND_PROCESS = "rank=1,reward-down-at=2,reward-down-for={n}"
+
+
+@pytest.mark.parametrize("backend", [[], ["train.fsdp=true"]], ids=["ddp", "fsdp2"])
+def test_reward_failing_on_one_process_stops_every_process(backend, repo_root, tmp_path):
+    """Every process learns of the failure after the rollout, so both stop in iteration 1: one
+    checkpoint at its start (under FSDP a collective), one error line, exit 2. The resumed run ends
+    with the weights of a run whose reward failed the same way once and worked on the retry."""
+    from tests.helpers.compare import FLOW_GRPO
+    from tests.helpers.launch import launch
+    from tests.helpers.tiny_run import train_records
+
+    train = ["-m", "diffalign.cli", "train", *FLOW_GRPO, "rollout.prompts_per_iteration=1", "sampling.num_steps=3",
+             "eval.num_prompts=1", "eval.samples_per_prompt=1", "checkpoint.every=0", "reward.max_failures=1", *backend]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    res = launch([*train, f"output_dir={ref}"], repo_root, nproc=2, env={faults.ENV: FAIL_ON_SECOND_PROCESS.format(n=1)})
+    assert "scoring again (failure 1 of reward.max_failures=1)" in res.stderr
+    res = launch([*train, f"output_dir={out}"], repo_root, nproc=2, env={faults.ENV: FAIL_ON_SECOND_PROCESS.format(n=2)},
+                 timeout=300, check=False)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, res.stderr[-3000:]
+    assert "on process 1;" in errors[0] and "checkpoint at iteration 1;" in errors[0], errors[0]
+    assert "exitcode  : 2" in res.stderr  # the first process to end exits 2 (the launcher then ends the other)
+    assert [p.name for p in runs.checkpoint_dirs(out)] == ["iter-000001"]
+    assert [r["iteration"] for r in train_records(out)] == [0]
+    launch(["-m", "diffalign.cli", "resume", str(out)], repo_root, nproc=2)
+    wa = load_file(str(ref / "final" / "pytorch_lora_weights.safetensors"))
+    wb = load_file(str(out / "final" / "pytorch_lora_weights.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [r["reward_mean"] for r in train_records(out)] == [r["reward_mean"] for r in train_records(ref)]

@@ -221,7 +221,7 @@ class BranchGRPOTrainer(Trainer):
         futures = [self.score_async(images[i : i + bs], leaf_prompts[i : i + bs], trees[i : i + bs], tree.num_leaves)
                    for i in range(0, len(images), bs)]
         self.guard_finals(images, leaf_prompts, iteration)  # train.guard's verifier: the leaves are the final images
-        results = [f.result() for f in futures]
+        results = self.reward_results(futures)
         rewards = torch.cat([r for r, _ in results]).view(len(prompts), tree.num_leaves)
         info = self.gather_info(reward_info(results))  # per-batch means, then over processes
         return traj, embeds, prompts, rank * per_proc, n_global, rewards, info

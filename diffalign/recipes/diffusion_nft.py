@@ -135,7 +135,7 @@ def sample_and_score(trainer: Trainer, embeds: PromptEmbeds, seeds: torch.Tensor
         x0.append(traj.latents[:, -1])
         images.append(traj.images)
         futures.append(trainer.score_async(traj.images, prompts[rows], None if groups is None else groups[rows], group_size))
-    results = [f.result() for f in futures]
+    results = trainer.reward_results(futures)
     rewards = torch.cat([r for r, _ in results]) if results else torch.empty(0)
     return torch.cat(x0), torch.cat(images), rewards, reward_info(results)
 

@@ -153,7 +153,7 @@ class DRMStepGRPOTrainer(TransitionTrainer):
         algo, num_steps = self.algo, self.cfg.sampling.num_steps
         ro = self.rollout(iteration)
         self.guard_finals(ro["images"], ro["prompts"], iteration)  # train.guard's verifier: the chains' final images
-        finals, info = self.score(ro["images"], ro["prompts"])
+        (finals, info), = self.reward_results([self.score_async(ro["images"], ro["prompts"])])  # agreed over processes
         finals = self.check_rewards(finals, iteration)
         all_finals = self.accelerator.gather(finals.to(self.device)).cpu()
         ok = torch.isfinite(all_finals)

@@ -74,7 +74,7 @@ class FlowGRPOTrainer(Trainer):
             trajs.append(traj)
             futures.append(self.score_async(traj.images, plan.sample_prompts[idx], plan.group_ids[idx]))  # overlaps the next chunk
             self.guard_finals(traj.images, plan.sample_prompts[idx], iteration)  # train.guard's verifier
-        results = [f.result() for f in futures]
+        results = self.reward_results(futures)  # every process learns here of a reward failure on any
         rewards = torch.cat([r for r, _ in results])
         info = self.gather_info(reward_info(results))  # per-batch means, then over processes
         sample_ids = torch.arange(plan.first, plan.first + plan.n_local)

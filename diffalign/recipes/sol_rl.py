@@ -341,7 +341,7 @@ class SolRLGRPOTrainer(TwoStageRollout, FlowGRPOTrainer):
             trajs.append(traj)
             futures.append(self.score_async(traj.images, sample_prompts[rows], groups[rows], k))
             self.guard_finals(traj.images, sample_prompts[rows], iteration)  # train.guard's verifier
-        results = [f.result() for f in futures]
+        results = self.reward_results(futures)
         rewards = torch.cat([r for r, _ in results]) if results else torch.empty(0)
         info = self.gather_info(reward_info(results))
         info["time/stage2"] = time.perf_counter() - t0

@@ -203,7 +203,7 @@ class SPOTrainer(Trainer):
             nfe = out.nfe
             futures.append(self.score_async(out.images, sample_prompts[idx]))
             self.guard_finals(out.images, sample_prompts[idx], iteration)  # train.guard's verifier: the continued trajectories' finals
-        results = [f.result() for f in futures]
+        results = self.reward_results(futures)
         rewards = self.check_rewards(torch.cat([r for r, _ in results]), iteration)
         info = self.gather_info(reward_info(results))  # per-batch means, then over processes
         # every process judges the same number of states: gather them for run-wide statistics

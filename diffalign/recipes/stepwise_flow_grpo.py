@@ -97,7 +97,7 @@ class StepwiseFlowGRPOTrainer(TransitionTrainer):
             finals = images.view(-1, s.num_steps + 1, *images.shape[1:])[:, -1]  # the real final sample of each rollout
             self.guard_finals(finals, plan.sample_prompts[idx], iteration)  # train.guard's verifier
             trajs.append(traj)
-        rewards = torch.cat([f.result()[0] for f in futures]).view(plan.n_local, s.num_steps + 1)
+        rewards = torch.cat([r for r, _ in self.reward_results(futures)]).view(plan.n_local, s.num_steps + 1)
         return DenseTrajectory.cat(trajs), plan.embeds, plan.first, plan.n_global, rewards
 
     # ---- one iteration ----------------------------------------------------------------------

@@ -226,10 +226,12 @@ class Backend:
         self.stats["skipped_steps"] += 1
         self.consecutive_bad_steps += 1
         if self.consecutive_bad_steps > self.cfg.train.max_nonfinite_losses:
-            raise NonFiniteError(
-                f"{self.consecutive_bad_steps} consecutive optimizer steps had non-finite {what}; stopping"
-                " (lower optim.lr or check the reward)"
-            )
+            # every process counts the same steps (close_step and the global gradient norm agree on
+            # each), so every process stops here together
+            stop = NonFiniteError(f"{self.consecutive_bad_steps} consecutive optimizer steps had non-finite {what}; stopping"
+                                  " (lower optim.lr or check the reward)")
+            stop.agreed = True
+            raise stop
         return norm, False
 
     # ---- state ----------------------------------------------------------------------------------

@@ -29,11 +29,13 @@ from diffalign import progress, runs
 from diffalign.adapters import ModelAdapter
 from diffalign.best_scale import BestScaleSpec, compare_best_scales, evaluate_best_scale, scale_text
 from diffalign.config import EvalConfig
+from diffalign.errors import RewardError
 from diffalign.evaluation import Evaluation, interval_record, shapes_records
 from diffalign.images import labelled_grid, sample_grid, save_png, short_prompt
 from diffalign.runs import eval_records_path
 from diffalign.sampling import sample_images
 from diffalign.shapes import evaluation_prompts, prompt_family, prompt_set
+from diffalign.training.rewards import agree_on_failure
 
 GRID_PER_FAMILY = 8  # ShapesWorld grids: images per GenEval family (one row each)
 GRID_IMAGES = 16  # other image grids: the first 16 images (two rows), so a grid of large images stays small
@@ -90,16 +92,25 @@ def evaluate(setup: EvalSetup, iteration: int, *, save_grid: bool = True, probe:
     process, {} on the others. ``probe``: also evaluate the generalisation probe; ``best_scale``
     (ShapesWorld): also the best-scale comparison (:func:`best_scale_comparison`)."""
     acc = setup.accelerator
+    # The processes meet after the evaluation in agree_on_failure rather than at a plain barrier: a
+    # reward that failed on one process stops every process there, instead of leaving the others waiting.
     if setup.sharded:  # sharded forwards: every process samples the same images
-        record = _run(setup, iteration, save_grid=save_grid, probe=probe, best_scale=best_scale)
-        acc.wait_for_everyone()
+        record = _agreed_run(setup, iteration, save_grid=save_grid, probe=probe, best_scale=best_scale)
         return record if acc.is_main_process else {}
     if not acc.is_main_process:
-        acc.wait_for_everyone()
+        agree_on_failure(None, acc, acc.device)
         return {}
-    record = _run(setup, iteration, save_grid=save_grid, probe=probe, best_scale=best_scale)
-    if acc.num_processes > 1:
-        acc.wait_for_everyone()
+    return _agreed_run(setup, iteration, save_grid=save_grid, probe=probe, best_scale=best_scale)
+
+
+def _agreed_run(setup: EvalSetup, iteration: int, **kwargs) -> dict:
+    """:func:`_run` on this process, then every process learns whether the reward failed on any."""
+    record, error = {}, None
+    try:
+        record = _run(setup, iteration, **kwargs)
+    except RewardError as exc:
+        error = exc
+    agree_on_failure(error, setup.accelerator, setup.accelerator.device)
     return record
 
 

@@ -8,6 +8,13 @@ made in the same order). It hands each image's prompt group to the reward (``met
 and, for a reward that compares the images of a group (``groupwise``, e.g. ``pairwise``), holds
 chunks back until their groups are whole. Non-finite rewards are counted (``reward.nonfinite``:
 stop, or leave them for masking).
+
+A failed call does not stop the rollout where it happens: its future holds the error, the calls
+after it are not made, and :func:`collect` hands the first error to :func:`agree_on_failure`, which
+every process calls at the same point of an iteration. Under FSDP the rollout's forwards are
+collectives and the rewards are gathered for the advantages, so a process that stopped alone would
+leave the others waiting; instead every process learns of a failure on any of them there, and all
+take the same stop path.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from diffalign import faults
 from diffalign.errors import RewardError
 
 
@@ -36,6 +44,7 @@ def call_with_retries(call: Callable[[], object], reward_fn, stats: dict, max_fa
     while True:
         before = getattr(reward_fn, "transient_retries", 0)
         try:
+            faults.reward_called()
             return call()
         except RewardError as exc:
             failures = stats["reward_failures"] = stats.get("reward_failures", 0) + 1
@@ -66,6 +75,59 @@ class Done:
 
     def result(self):
         return self.value
+
+
+class Failed:
+    """A failed 'future' (the synchronous path): ``result()`` raises the call's error."""
+
+    def __init__(self, error: RewardError):
+        self.error = error
+
+    def result(self):
+        raise self.error
+
+
+def collect(futures: Sequence) -> tuple[list[tuple[torch.Tensor, dict]], Optional[RewardError]]:
+    """Wait for every reward call of a rollout: (the results of those that succeeded, in order; the
+    first call's error where one failed, else None). Errors other than ``RewardError`` (defects)
+    are raised."""
+    results, error = [], None
+    for future in futures:
+        try:
+            results.append(future.result())
+        except RewardError as exc:
+            error = error or exc
+    return results, error
+
+
+def agree_on_failure(error: Optional[RewardError], accelerator, device) -> None:
+    """Raise on every process when the reward failed on any of them, else return (a collective:
+    every process calls it at the same point, ``error`` being its own failure or None).
+
+    One flag is summed over processes; only after a failure do the processes exchange their
+    messages. The error raised is :class:`RewardFailures` when any process ran out of
+    ``reward.max_failures`` (the run stops with a checkpoint), else the first process's
+    ``RewardError``; its message names the process where the reward failed and it is marked
+    ``agreed`` (raised by every process together: the command line prints it once)."""
+    if accelerator.num_processes == 1:
+        if error is not None:
+            error.agreed = True
+            raise error
+        return
+    flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+    if float(accelerator.reduce(flag, reduction="sum").item()) == 0:
+        return
+    from accelerate.utils import gather_object
+
+    reports = gather_object([None if error is None else (isinstance(error, RewardFailures), str(error))])
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    give_up = any(exhausted for _, (exhausted, _) in failed)
+    rank, (_, message) = next((r, rep) for r, rep in failed if rep[0] == give_up)
+    also = [str(r) for r, _ in failed if r != rank]
+    where = f"on process {rank}" + (f" (and {', '.join(also)})" if also else "")
+    agreed = (RewardFailures if give_up else RewardError)(f"{message} {where}")
+    agreed.agreed = True
+    raise agreed
 
 
 class Share:
@@ -157,15 +219,19 @@ class RewardPool:
     def _call(self, images: torch.Tensor, prompts: list[str], groups: Optional[torch.Tensor]):
         metadata = [{} for _ in prompts] if groups is None else [{"group": int(g)} for g in groups]
         if not self.asynchronous:
-            return Done(self.score(images, prompts, metadata))
+            try:
+                return Done(self._scored(images, prompts, metadata))
+            except RewardError as exc:
+                return Failed(exc)
         if self.pool is None:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         return self.pool.submit(self._scored, images, prompts, metadata)
 
     def _scored(self, images, prompts, metadata):
-        """A call on the worker thread. After a failure the calls queued behind it are not made:
-        the synchronous path would have stopped before sampling their chunks, and a call made here
-        would count failures (``reward.max_failures``) that it never counts."""
+        """One call (on the worker thread with ``reward.async``). After a failure the later calls
+        of the rollout are not made: a failure stops the run at the end of the rollout
+        (:func:`agree_on_failure`), and calls made meanwhile would only count more failures
+        (``reward.max_failures``)."""
         if self.failed:
             raise RewardFailures(f"reward {self.reward_name!r}: not scored after an earlier failed call")
         try:

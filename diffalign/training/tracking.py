@@ -171,8 +171,10 @@ class Tracking:
                 mlflow.log_image(array, key=name, step=step)
 
     def finish(self) -> None:
-        if self.cfg.log.trackers:
-            self.accelerator.end_training()
+        """Close the trackers (accelerate's ``end_training`` without its end of the process group,
+        which the trainer ends itself: :func:`diffalign.distributed.end_process_group`)."""
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
 
 
 def _cell(value) -> str:

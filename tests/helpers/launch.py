@@ -17,17 +17,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(cwd) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(cwd))
+def _env(cwd, extra: dict | None = None) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(cwd), **(extra or {}))
 
 
-def launch(args: list[str], cwd, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``python ARGS`` (``-m module ...`` or ``script ...``); asserts exit code 0 and shows stderr if not."""
-    env = _env(cwd)
+def launch(args: list[str], cwd, nproc: int = 1, timeout: int = 600, env: dict | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """``python ARGS`` (``-m module ...`` or ``script ...``), with ``env`` added to the environment;
+    asserts exit code 0 and shows stderr if not (``check``). A run past ``timeout`` seconds (a hang)
+    ends with all its processes and fails the assertion."""
     cmd = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                                                "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    res = subprocess.run(cmd + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, res.stderr[-3000:]
+    proc = subprocess.Popen(cmd + list(args), cwd=cwd, env=_env(cwd, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # its own process group: ended with its workers
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"still running after {timeout} s:\n{stderr[-3000:]}") from None
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    assert res.returncode == 0 or not check, res.stderr[-3000:]
     return res
 
 
