@@ -29,6 +29,18 @@ def _restore_torch_threads():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def _restore_logging_disable():
+    """``--quiet`` called in-process (``cli.main([..., "--quiet"])``) disables logging below ERROR for
+    the whole process (:func:`diffalign.progress.silence_libraries`); later tests that read log records
+    must not inherit it."""
+    import logging
+
+    level = logging.root.manager.disable
+    yield
+    logging.disable(level)
+
+
 @pytest.fixture(scope="session")
 def shared_run(tmp_path_factory):
     """``shared_run(args, nproc=1)``: the run directory and result of ``launch([*args, output_dir=...])``,

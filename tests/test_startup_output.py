@@ -51,13 +51,20 @@ def test_each_known_message_is_dropped_and_nothing_else():
         handler = logging.Handler()
         handler.emit = lambda record: kept.append(record.getMessage())
         logger.addHandler(handler)
+        # what earlier code in this process may have switched off: a logging.config.dictConfig (uvicorn,
+        # DeepSpeed) disables existing loggers, --quiet disables logging below ERROR process-wide
         old_level, logger.level = logger.level, logging.WARNING
+        old_disabled, logger.disabled = logger.disabled, False
+        old_disable = logging.root.manager.disable
+        logging.disable(logging.NOTSET)
         try:
             logger.warning(message)
             logger.warning("Failed to load the checkpoint: " + message[:20])  # another message of the same logger
         finally:
             logger.removeHandler(handler)
             logger.setLevel(old_level)
+            logger.disabled = old_disabled
+            logging.disable(old_disable)
         assert kept == ["Failed to load the checkpoint: " + message[:20]], name
 
 
