@@ -166,7 +166,9 @@ def format_table(steps: Mapping[int, Mapping], result: Mapping, k: int) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def evaluate_checkpoint(step: int, model: Path, args, out: Path) -> dict:
+def evaluate_checkpoint(step: int, model: Path, args, out: Path, source: str = "") -> dict:
+    """One checkpoint's validation evaluations at every scale, its best scale and pass@k there;
+    ``source``: the checkpoint as given (a state folder), recorded instead of its export's path."""
     import torch
 
     from diffalign.adapters import load_adapter
@@ -198,7 +200,7 @@ def evaluate_checkpoint(step: int, model: Path, args, out: Path) -> dict:
     validation = {s: evaluation(s) for s in args.scales}
     best = choose_scale({s: ev.metrics[HEADLINE] for s, ev in validation.items()})
     chosen = validation[best]
-    return {"step": step, "model": str(model), "scale": best,
+    return {"step": step, "model": source or str(model), "scale": best,
             "validation": {scale_text(s): ev.metrics[HEADLINE] for s, ev in validation.items()},
             "interval": chosen.intervals[HEADLINE].to_dict(), "partial": chosen.metrics["partial"],
             "pass_at_k": mean_pass_at_k(chosen.records, args.k), "k": args.k, "records": chosen.records,
@@ -277,7 +279,7 @@ def main(argv=None) -> dict:
                 continue
             model = export_state(folder, out / "models" / f"step{step}", args.export_flags.split()) if is_state else folder
             print(f"- step {step}: {model}", flush=True)
-            atomic_write_text(path, json.dumps(evaluate_checkpoint(step, model, args, out)))
+            atomic_write_text(path, json.dumps(evaluate_checkpoint(step, model, args, out, source=text)))
     return write_results(out, args)
 
 
