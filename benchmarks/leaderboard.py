@@ -531,32 +531,12 @@ def run_cell(name: str, seed: int, args, spec: EvalSpec, out: Path, method: Meth
 # --------------------------------------------------------------------------------------------
 
 
-def _coverage(t: float, df: int) -> float:
-    """P(|T| <= t) for Student's t with ``df`` degrees of freedom (Abramowitz & Stegun 26.7.3-4)."""
-    theta = math.atan(t / math.sqrt(df))
-    s, c2 = math.sin(theta), math.cos(theta) ** 2
-    if df % 2 == 0:
-        term = total = 1.0
-        for k in range(1, df // 2):
-            term *= c2 * (2 * k - 1) / (2 * k)
-            total += term
-        return s * total
-    term = total = math.cos(theta) if df > 1 else 0.0
-    for k in range(1, (df - 1) // 2):
-        term *= c2 * (2 * k) / (2 * k + 1)
-        total += term
-    return 2 / math.pi * (theta + s * total)
-
-
 def t_quantile(df: int, level: float = LEVEL) -> float:
-    """The two-sided ``level`` quantile of Student's t (t(0.975, df) for 95 %), by bisection."""
-    lo, hi = 0.0, 1.0
-    while _coverage(hi, df) < level:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _coverage(mid, df) < level else (lo, mid)
-    return (lo + hi) / 2
+    """The two-sided ``level`` quantile of Student's t (t(0.975, df) for 95 %): :func:`diffalign.trends.t_quantile`
+    at the one-sided probability ``(1 + level) / 2``."""
+    from diffalign.trends import t_quantile as one_sided
+
+    return one_sided((1 + level) / 2, df)
 
 
 def seed_interval(values: Sequence[float], kind=Interval):
