@@ -95,6 +95,9 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.branch_grpo_shapes import VARIANTS as BRANCH_VARIANTS  # noqa: E402
 from diffalign.errors import DiffalignError  # noqa: E402
+from diffalign.import_noise import filter_known_import_messages  # noqa: E402
+
+filter_known_import_messages()  # before diffusers loads: its dependencies' known import chatter, as the CLI does
 from diffalign.stats import Difference, Interval  # noqa: E402
 
 LEVEL = 0.95  # of every interval

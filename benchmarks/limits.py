@@ -69,6 +69,9 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import leaderboard as lb  # noqa: E402
 from diffalign.errors import DiffalignError  # noqa: E402
+from diffalign.import_noise import filter_known_import_messages  # noqa: E402
+
+filter_known_import_messages()  # before diffusers loads: its dependencies' known import chatter, as the CLI does
 from diffalign.stats import Difference  # noqa: E402
 
 MAIN = "configs/shapes/flow_grpo.yaml"

@@ -52,6 +52,9 @@ if str(ROOT) not in sys.path:
 from benchmarks.leaderboard import cpu_model  # noqa: E402
 from benchmarks.pass_at_k import family_table  # noqa: E402
 from diffalign.errors import DiffalignError  # noqa: E402
+from diffalign.import_noise import filter_known_import_messages  # noqa: E402
+
+filter_known_import_messages()  # before diffusers loads: its dependencies' known import chatter, as the CLI does
 
 PRETRAIN = ROOT / "scripts" / "pretrain_shapes.py"
 HEADLINE = "acc/images"
