@@ -774,23 +774,46 @@ def budget_from_args(args, default: Budget = Budget("minutes", 15.0)) -> Budget:
     return default
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated names (default: all)")
+def add_cell_arguments(p: argparse.ArgumentParser, default_budget: Budget) -> None:
+    """The flags every harness of cells shares (this one, ``limits.py``): seeds, the budget, the CFG
+    scales, the model and how every evaluation samples; :func:`check_cell_arguments` reads them."""
     p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--minutes", type=float, help="training wall-clock budget per cell (evaluations excluded; default 15)")
-    budget.add_argument("--cpu-minutes", type=float, help="budget per cell in this process's CPU minutes while training")
-    budget.add_argument("--iterations", type=float, help="budget per cell in trainer iterations")
-    p.add_argument("--marks", default="0.25,0.5,1", help="fractions of the budget at which held-out accuracy is measured (1 is added)")
+    default = f" (the default budget: {default_budget})"
+    budget.add_argument("--minutes", type=float, help="budget per cell in training wall-clock minutes, evaluations excluded" + default)
+    budget.add_argument("--cpu-minutes", type=float, help="budget per cell in this process's CPU minutes while training" + default)
+    budget.add_argument("--iterations", type=float, help="budget per cell in trainer iterations" + default)
+    p.set_defaults(default_budget=default_budget)
     p.add_argument("--scales", default="1,1.5,2,3,4", help="CFG scales to choose from on validation prompts")
-    p.add_argument("--model", default="shapes", help="model.id of every method and of the base model")
+    p.add_argument("--model", default="shapes", help="model.id of every cell and of the base model")
     p.add_argument("--images-per-family", type=int, default=96, help="evaluation images per prompt family")
     p.add_argument("--eval-steps", type=int, default=20, help="ODE steps of every evaluation")
     p.add_argument("--eval-seed", type=int, default=1234)
     p.add_argument("--eval-batch-size", type=int, default=64)
     p.add_argument("--mixed-precision", choices=("auto", "bf16", "no"), default="auto", help="evaluation forwards")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+
+
+def check_cell_arguments(args) -> None:
+    """Parse and check what :func:`add_cell_arguments` added, in place (one DiffalignError naming the flag)."""
+    args.seeds = parse_numbers(args.seeds, "--seeds", int)
+    if any(s < 0 for s in args.seeds) or len(set(args.seeds)) != len(args.seeds):
+        raise DiffalignError(f"--seeds: distinct integers >= 0, got {args.seeds}")
+    args.budget = budget_from_args(args, args.default_budget)
+    args.scales = sorted(set(parse_numbers(args.scales, "--scales")))
+    if args.scales[0] < 1:
+        raise DiffalignError(f"--scales: CFG scales >= 1 (1 = no guidance), got {args.scales}")
+    for flag, value in (("--images-per-family", args.images_per_family), ("--eval-steps", args.eval_steps),
+                        ("--eval-batch-size", args.eval_batch_size)):
+        if value < 1:
+            raise DiffalignError(f"{flag} must be >= 1, got {value}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated names (default: all)")
+    add_cell_arguments(p, Budget("minutes", 15.0))
+    p.add_argument("--marks", default="0.25,0.5,1", help="fractions of the budget at which held-out accuracy is measured (1 is added)")
     p.add_argument("--prepare", action="store_true", help="train missing judges (SPO's SPM, DRM Step-GRPO's DRM)")
     p.add_argument("--table-only", action="store_true", help="print the table from the stored cells; run nothing")
     p.add_argument("--out", default=str(ROOT / "runs" / "leaderboard"))
@@ -805,21 +828,11 @@ def parse_args(argv=None):
     unknown = [m for m in args.method_names if m not in METHODS]
     if unknown or not args.method_names:
         raise DiffalignError(f"--methods: unknown {', '.join(unknown) or 'none given'}; known: {', '.join(METHODS)}")
-    args.seeds = parse_numbers(args.seeds, "--seeds", int)
-    if any(s < 0 for s in args.seeds) or len(set(args.seeds)) != len(args.seeds):
-        raise DiffalignError(f"--seeds: distinct integers >= 0, got {args.seeds}")
-    args.budget = budget_from_args(args)
+    check_cell_arguments(args)
     marks = parse_numbers(args.marks, "--marks")
     if any(not 0 < m <= 1 for m in marks):
         raise DiffalignError(f"--marks: fractions in (0, 1], got {args.marks!r}")
     args.marks = sorted({*marks, 1.0})
-    args.scales = sorted(set(parse_numbers(args.scales, "--scales")))
-    if args.scales[0] < 1:
-        raise DiffalignError(f"--scales: CFG scales >= 1 (1 = no guidance), got {args.scales}")
-    for flag, value in (("--images-per-family", args.images_per_family), ("--eval-steps", args.eval_steps),
-                        ("--eval-batch-size", args.eval_batch_size)):
-        if value < 1:
-            raise DiffalignError(f"{flag} must be >= 1, got {value}")
     args.sets = parse_sets(args.sets, "--set")
     args.judge_sets = parse_sets(args.judge_sets, "--judge-set")
     for name in args.judge_sets:
@@ -866,14 +879,19 @@ def main(argv=None) -> dict:
     return write_results(out, base, settings)
 
 
-def cli(argv=None) -> int:
-    """``main`` with bad input as one ``error: ...`` line and exit code 2."""
+def run_cli(main: Callable, argv=None) -> int:
+    """``main(argv)`` with bad input as one ``error: ...`` line and exit code 2 (every cell harness's
+    command line: this one, ``limits.py``, ``pretrain_plateau.py``)."""
     try:
         main(argv)
     except DiffalignError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def cli(argv=None) -> int:
+    return run_cli(main, argv)
 
 
 if __name__ == "__main__":

@@ -237,19 +237,7 @@ def write_results(out: Path, settings: Mapping | None) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (default: all)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--iterations", type=float, help="budget per cell in trainer iterations (default 32)")
-    budget.add_argument("--cpu-minutes", type=float, help="budget per cell in this process's CPU minutes while training")
-    budget.add_argument("--minutes", type=float, help="budget per cell in training wall-clock minutes")
-    p.add_argument("--scales", default="1,1.5,2,3,4", help="CFG scales to choose from on validation prompts")
-    p.add_argument("--model", default="shapes", help="model.id of every row and of the base model")
-    p.add_argument("--images-per-family", type=int, default=96, help="evaluation images per prompt family")
-    p.add_argument("--eval-steps", type=int, default=20, help="ODE steps of every evaluation")
-    p.add_argument("--eval-seed", type=int, default=1234)
-    p.add_argument("--eval-batch-size", type=int, default=64)
-    p.add_argument("--mixed-precision", choices=("auto", "bf16", "no"), default="auto", help="evaluation forwards")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    lb.add_cell_arguments(p, lb.Budget("iterations", 32.0))  # the main job's 32 iterations unless a budget flag says otherwise
     p.add_argument("--table-only", action="store_true", help="print the table from the stored cells; run nothing")
     p.add_argument("--out", default=str(ROOT / "runs" / "limits"))
     p.add_argument("overrides", nargs="*", help="key=value overrides for every row (a tiny model's sizes, say)")
@@ -258,17 +246,7 @@ def parse_args(argv=None):
     unknown = [r for r in args.row_names if r not in ROWS]
     if unknown or not args.row_names:
         raise DiffalignError(f"--rows: unknown {', '.join(unknown) or 'none given'}; known: {', '.join(ROWS)}")
-    args.seeds = lb.parse_numbers(args.seeds, "--seeds", int)
-    if any(s < 0 for s in args.seeds) or len(set(args.seeds)) != len(args.seeds):
-        raise DiffalignError(f"--seeds: distinct integers >= 0, got {args.seeds}")
-    args.budget = lb.budget_from_args(args, lb.Budget("iterations", 32.0))
-    args.scales = sorted(set(lb.parse_numbers(args.scales, "--scales")))
-    if args.scales[0] < 1:
-        raise DiffalignError(f"--scales: CFG scales >= 1 (1 = no guidance), got {args.scales}")
-    for flag, value in (("--images-per-family", args.images_per_family), ("--eval-steps", args.eval_steps),
-                        ("--eval-batch-size", args.eval_batch_size)):
-        if value < 1:
-            raise DiffalignError(f"{flag} must be >= 1, got {value}")
+    lb.check_cell_arguments(args)
     # what leaderboard.run_cell reads besides these: one mark (the end), no per-row extras, no judges
     args.marks, args.sets, args.judge_sets, args.prepare = [1.0], {}, {}, False
     return args
@@ -306,13 +284,7 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
-    """``main`` with bad input as one ``error: ...`` line and exit code 2."""
-    try:
-        main(argv)
-    except DiffalignError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return lb.run_cli(main, argv)
 
 
 if __name__ == "__main__":

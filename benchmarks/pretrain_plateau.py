@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.leaderboard import cpu_model  # noqa: E402
+from benchmarks.leaderboard import cpu_model, run_cli  # noqa: E402
 from benchmarks.pass_at_k import family_table  # noqa: E402
 from diffalign.errors import DiffalignError  # noqa: E402
 from diffalign.import_noise import filter_known_import_messages  # noqa: E402
@@ -287,13 +287,7 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
-    """``main`` with bad input as one ``error: ...`` line and exit code 2."""
-    try:
-        main(argv)
-    except DiffalignError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(main, argv)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,16 @@
 """benchmarks/leaderboard.py: the table math on synthetic cells (hand-computed), and one end-to-end
 sitting on the tiny shapes model (cells written, skipped when present, the table rebuilt from them)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def board():
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("benchmarks_leaderboard", root / "benchmarks" / "leaderboard.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/leaderboard.py", "benchmarks_leaderboard")
 
 
 T2 = 4.302652729911275  # t(0.975, 2 degrees of freedom): 3 seeds

@@ -1,25 +1,19 @@
 """benchmarks/limits.py: the table math on hand-made cells, and one sitting on the tiny shapes model
 (cells written, skipped when present, the table rebuilt from them, bad input refused in one line)."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def limits():
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("benchmarks_limits", ROOT / "benchmarks" / "limits.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/limits.py", "benchmarks_limits")
 
 
 PROMPTS = ["a photo of a red circle", "a photo of a blue square", "a photo of a green triangle", "a photo of a yellow circle"]  # one family: single objects

@@ -1,7 +1,6 @@
 """benchmarks/pretrain_plateau.py: the plateau rule on hand-made checkpoints, and a sitting on two
 snapshots of a tiny pretraining run (exported, evaluated, stored, skipped when present)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,18 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def plateau():
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("benchmarks_pretrain_plateau", ROOT / "benchmarks" / "pretrain_plateau.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/pretrain_plateau.py", "benchmarks_pretrain_plateau")
 
 
 PROMPTS = [f"a photo of a {c} circle" for c in ("red", "blue", "green", "yellow")]
