@@ -83,6 +83,18 @@ def test_recipes_keep_the_reference_keys():
     assert (zimage.sampling.guidance_scale, zimage.sampling.window_size, zimage.lora.rank) == (5.0, 1, 64)
 
 
+@pytest.mark.parametrize("name", [n for n in sorted(RECIPES) if load_config(ROOT / "configs" / f"{n}.yaml").lora.targets])
+def test_every_listed_lora_target_names_modules_of_the_family(name):
+    """peft stops only when no target matches; a misspelt entry among others would silently train
+    fewer layers. The tiny builds use the released models' module names."""
+    from diffalign.adapters import load_adapter
+
+    family, _, _ = RECIPES[name]
+    names = [module_name for module_name, _ in load_adapter(f"tiny:{family}").denoiser.named_modules()]
+    for target in load_config(ROOT / "configs" / f"{name}.yaml").lora.targets:
+        assert any(n == target or n.endswith("." + target) for n in names), target
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_trains_one_iteration_on_the_tiny_build(name, tmp_path):
