@@ -435,7 +435,7 @@ def process_layout(rank: int, world: int, degree: int) -> ProcessLayout:
     return ProcessLayout(rank, world, degree)
 
 
-def context_parallel_split(tokens: int, degree: int, what: str = "tokens") -> int:
+def context_parallel_split(tokens: int, degree: int, what: str = "tokens per sample") -> int:
     """Tokens per process when ``tokens`` tokens of a sample are split over ``degree`` processes:
     diffusers splits into equal parts (its Ulysses attention for any length has no backward), so
     ``tokens`` must be a multiple of ``degree``. What a memory estimate divides by ``degree``: each
@@ -443,7 +443,7 @@ def context_parallel_split(tokens: int, degree: int, what: str = "tokens") -> in
     ``tokens / degree`` tokens; the attention itself runs on all the tokens for ``heads / degree``
     heads; the output after the final projection is gathered whole on every process."""
     if tokens % degree:
-        raise ConfigError(f"config key 'train.context_parallel' {degree}: {tokens} {what} per sample do not split into "
+        raise ConfigError(f"config key 'train.context_parallel' {degree}: {tokens} {what} do not split into "
                           f"{degree} equal parts")
     return tokens // degree
 
@@ -480,11 +480,12 @@ def enable_context_parallel(transformers: list[torch.nn.Module], layout: Process
     from diffusers.models.attention import AttentionModuleMixin
     from diffusers.models.attention_processor import Attention, MochiAttention
 
-    mesh = context_parallel_mesh(layout, device)
-    for transformer in transformers:
+    for transformer in transformers:  # on every process before the first collective: all stop alike
         heads = getattr(transformer.config, "num_attention_heads", None)
         if heads is not None:
             context_parallel_split(heads, layout.degree, "attention heads")
+    mesh = context_parallel_mesh(layout, device)
+    for transformer in transformers:
         config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=layout.degree, mesh=mesh))
         if device.type != "cpu":
             transformer.enable_parallelism(config=config)

@@ -3,7 +3,7 @@ each sample's tokens split over the processes of a group, Ulysses attention betw
 
 - the model (tests/context_parallel_worker.py): degree 2 on two gloo CPU processes gives the loss
   and the gradients of one process without it (summed over the group), for an image family (FLUX.1)
-  and a video family (Wan), to 1e-5;
+  and a video family (Wan2.1, and Wan2.2's two experts), to 1e-5;
 - the trainer: Flow-GRPO on tiny FLUX.1 with four processes, two data-parallel groups of two,
   trains the one-process run's weights (tests/helpers/compare.py's units);
 - the refusals: one line naming the key (and the family or method), exit status 2.
@@ -67,7 +67,7 @@ def test_the_supported_families_have_a_plan():
     (LTX has one, refused for its attention mask); the refused ones have none."""
     import diffusers
 
-    from diffalign.adapters import FAMILIES, adapter_class
+    from diffalign.adapters import FAMILIES
 
     classes = {"flux": "FluxTransformer2DModel", "flux_kontext": "FluxTransformer2DModel", "flux2": "Flux2Transformer2DModel",
                "qwen": "QwenImageTransformer2DModel", "qwen_edit": "QwenImageTransformer2DModel",
@@ -75,7 +75,7 @@ def test_the_supported_families_have_a_plan():
                "sana": "SanaTransformer2DModel", "zimage": "ZImageTransformer2DModel",
                "hunyuan_video": "HunyuanVideoTransformer3DModel"}
     for family, name in classes.items():
-        assert family in FAMILIES and adapter_class(family).family == family
+        assert family in FAMILIES
         has_plan = getattr(getattr(diffusers, name), "_cp_plan", None) is not None
         assert has_plan == (family in distributed.CONTEXT_PARALLEL_FAMILIES or family == "ltx"), family
 
@@ -109,11 +109,12 @@ def test_one_process_cannot_split(tmp_path, capsys):
 
 @needs_gloo
 def test_degree_two_matches_one_process(repo_root, tmp_path):
-    launch(["tests/context_parallel_worker.py", str(tmp_path), "2", "flux", "wan"], repo_root, nproc=2, timeout=300)
+    launch(["tests/context_parallel_worker.py", str(tmp_path), "2", "flux", "wan", "wan22"], repo_root, nproc=2, timeout=300)
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (result["dp_rank"], result["cp_rank"]) == (0, rank)
-        for family in ("flux", "wan"):
+        assert result["wan22"]["parts"] == 2  # Wan2.2: both experts split, each trained by one sample
+        for family in ("flux", "wan", "wan22"):
             r = result[family]
             assert r["loss"] == pytest.approx(r["reference_loss"], rel=TOL), family
             assert r["same_parameters"], family
@@ -140,3 +141,12 @@ def test_flow_grpo_with_two_groups_of_two_matches_one_process(repo_root, tmp_pat
     for key in ("reward_mean", "advantage_abs_mean", "grad_norm"):  # the same samples, advantages and gradients
         assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-3), key
     assert_same_update(weights(start), weights(one), weights(four), rel=REL, min_update=1e-3)
+
+
+def test_heads_that_do_not_split_are_refused_before_any_collective():
+    from diffalign.adapters import load_adapter
+
+    adapter = load_adapter("tiny:flux", device="cpu", dtype=torch.float32)  # 2 attention heads
+    with pytest.raises(ConfigError, match="'train.context_parallel' 3: 2 attention heads do not split into 3"):
+        distributed.enable_context_parallel(list(adapter.denoiser_parts().values()), distributed.ProcessLayout(0, 3, 3),
+                                            torch.device("cpu"))
