@@ -287,6 +287,10 @@ class TrainConfig:
     # (full fine-tuning of a model too large for one device). Launching with
     # configs/accelerate/fsdp.yaml (fsdp_version: 2) sets it. Recipes with supports_fsdp only.
     fsdp: bool = False
+    # Context parallelism: each sample's tokens split over this many processes (diffusers'
+    # ContextParallelConfig, Ulysses attention); processes / context_parallel data-parallel groups.
+    # Families with a diffusers context-parallel plan only (docs/distributed.md#context-parallelism).
+    context_parallel: int = 1
     attention: Literal["default", "xformers"] = "default"  # xformers: memory-efficient attention (CUDA + xformers)
     guard: RewardGuardConfig = field(default_factory=RewardGuardConfig)  # reward-hacking guard (docs/reward_hacking.md)
 
@@ -299,6 +303,11 @@ class TrainConfig:
     def validate(self) -> None:
         check(self.zero_stage in (0, 1, 2) and not isinstance(self.zero_stage, bool), "train.zero_stage",
                "must be 0, 1 or 2 (ZeRO-3 partitions the weights the rollouts read; use FSDP for that)")
+        check(isinstance(self.context_parallel, int) and not isinstance(self.context_parallel, bool)
+              and self.context_parallel >= 1, "train.context_parallel", "must be an integer >= 1 (processes per sample)")
+        if self.context_parallel > 1:
+            check(not self.fsdp and not self.zero_stage, "train.context_parallel",
+                  "combines with plain data parallelism only (set train.fsdp=false and train.zero_stage=0)")
         check(self.batch_size >= 1, "train.batch_size", "must be >= 1")
         check(self.optimizer_steps_per_iteration >= 1, "train.optimizer_steps_per_iteration", "must be >= 1")
         check(self.inner_epochs >= 1, "train.inner_epochs", "must be >= 1")

@@ -369,3 +369,130 @@ def full_parameters(module: torch.nn.Module, swap: bool = True):
     finally:
         for owner, attr, param in saved:
             owner._parameters[attr] = param
+
+
+# ---- context parallelism (diffusers' ContextParallelConfig, Ulysses attention) ---------------------
+# ``train.context_parallel`` = C splits every sample's tokens over C processes; with W processes the
+# run has W / C data-parallel groups. Ranks r = d * C + c: the C consecutive ranks of data-parallel
+# group d hold one sample's tokens (on 8 GPUs of one node with C = 2: pairs of neighbouring GPUs).
+# diffusers does the splitting: the transformer's ``_cp_plan`` hooks cut its inputs (and RoPE tables)
+# along the sequence, its attention runs as Ulysses attention (all-to-all from a slice of the tokens
+# with all heads to all the tokens with a slice of the heads, and back), and the output projection
+# all-gathers the tokens again. Every process of a group therefore sees the whole output and computes
+# the same loss; the gather's backward keeps each process's own tokens, so each process's parameter
+# gradients are the part that flows through its tokens, and their sum over the group is the
+# gradient of the whole sample. diffalign's losses are divided by the number of terms over the
+# data-parallel groups and the gradients summed over all W processes: the same update as W / C
+# processes without context parallelism.
+
+#: families whose transformer has a diffusers ``_cp_plan`` that trains (forward and backward) with
+#: Ulysses attention on the native (PyTorch SDPA) backend; tested in tests/test_context_parallel.py
+CONTEXT_PARALLEL_FAMILIES = ("flux", "flux_kontext", "flux2", "qwen", "qwen_edit", "wan")
+
+#: families refused with a reason other than "no ``_cp_plan``"
+_CONTEXT_PARALLEL_REFUSED = {
+    "ltx": "its attention processor expands the text mask to every head, which diffusers' Ulysses attention "
+           "(heads / degree per process) cannot broadcast",
+}
+
+
+def context_parallel_problem(family: str, degree: int) -> str | None:
+    """Why ``family`` cannot train with ``train.context_parallel`` = ``degree``; None when it can
+    (``degree`` 1 always can)."""
+    if degree == 1 or family in CONTEXT_PARALLEL_FAMILIES:
+        return None
+    reason = _CONTEXT_PARALLEL_REFUSED.get(family, "its diffusers transformer has no context-parallel plan (_cp_plan)")
+    return (f"config key 'train.context_parallel' {degree}: model family {family!r} does not support context "
+            f"parallelism ({reason}); supported: {', '.join(CONTEXT_PARALLEL_FAMILIES)}")
+
+
+@dataclass(frozen=True)
+class ProcessLayout:
+    """Where a process sits when ``degree`` processes share each sample: ``rank`` of ``world``
+    processes, in data-parallel group ``dp_rank`` of ``dp_world``, holding token slice ``cp_rank``."""
+
+    rank: int = 0
+    world: int = 1
+    degree: int = 1  # train.context_parallel
+
+    @property
+    def dp_world(self) -> int:
+        return self.world // self.degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.degree
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.degree
+
+
+def process_layout(rank: int, world: int, degree: int) -> ProcessLayout:
+    """The :class:`ProcessLayout` of ``rank``; the launch's process count must be a multiple of ``degree``."""
+    if world % degree:
+        raise ConfigError(f"config key 'train.context_parallel' {degree} must divide the number of processes ({world})")
+    return ProcessLayout(rank, world, degree)
+
+
+def context_parallel_split(tokens: int, degree: int, what: str = "tokens per sample") -> int:
+    """Tokens per process when ``tokens`` tokens of a sample are split over ``degree`` processes:
+    diffusers splits into equal parts (its Ulysses attention for any length has no backward), so
+    ``tokens`` must be a multiple of ``degree``. What a memory estimate divides by ``degree``: each
+    process's activations of the transformer blocks (hidden states, Q/K/V, MLP) hold
+    ``tokens / degree`` tokens; the attention itself runs on all the tokens for ``heads / degree``
+    heads; the output after the final projection is gathered whole on every process."""
+    if tokens % degree:
+        raise ConfigError(f"config key 'train.context_parallel' {degree}: {tokens} {what} do not split into "
+                          f"{degree} equal parts")
+    return tokens // degree
+
+
+def one_per_context_group(gathered: torch.Tensor, layout: ProcessLayout) -> torch.Tensor:
+    """Rows of a tensor gathered from every process (``(world * n, ...)``, process order) that the
+    data-parallel groups hold, once each: the processes of a group hold the same samples."""
+    if layout.degree == 1:
+        return gathered
+    return gathered.reshape(layout.world, -1, *gathered.shape[1:])[::layout.degree].flatten(0, 1)
+
+
+def context_parallel_mesh(layout: ProcessLayout, device: torch.device):
+    """The device mesh ``(dp, ring, ulysses)`` = ``(W / C, 1, C)`` (a collective: every process
+    builds it): diffusers reads its ``ring`` and ``ulysses`` dimensions."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (layout.dp_world, 1, layout.degree), mesh_dim_names=("dp", "ring", "ulysses"))
+
+
+def enable_context_parallel(transformers: list[torch.nn.Module], layout: ProcessLayout, device: torch.device) -> None:
+    """Split each of ``transformers`` (a family's diffusers transformers: Wan2.2 has two) over the
+    ``layout.degree`` processes of this process's group with diffusers' ``ContextParallelConfig``
+    (Ulysses degree C; ring attention needs an attention backend that returns the log-sum-exp,
+    which the native SDPA backend does not). Every process calls it, in the same order.
+
+    On an accelerator this is ``ModelMixin.enable_parallelism``. Without one, diffusers 0.42's
+    ``_resolve_parallel_config`` picks the device as ``rank % torch.accelerator.device_count()``, a
+    division by zero on a CPU-only torch; the same steps are then taken here with the CPU as the
+    device: the config set up on the mesh, every attention processor given it, and the model's
+    ``_cp_plan`` applied (``apply_context_parallel``)."""
+    from diffusers import ContextParallelConfig, ParallelConfig
+    from diffusers.hooks.context_parallel import apply_context_parallel
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention, MochiAttention
+
+    for transformer in transformers:  # on every process before the first collective: all stop alike
+        heads = getattr(transformer.config, "num_attention_heads", None)
+        if heads is not None:
+            context_parallel_split(heads, layout.degree, "attention heads")
+    mesh = context_parallel_mesh(layout, device)
+    for transformer in transformers:
+        config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=layout.degree, mesh=mesh))
+        if device.type != "cpu":
+            transformer.enable_parallelism(config=config)
+            continue
+        config.setup(layout.rank, layout.world, device, mesh=mesh)
+        for module in transformer.modules():
+            if isinstance(module, (Attention, MochiAttention, AttentionModuleMixin)) and hasattr(module.processor, "_parallel_config"):
+                module.processor._parallel_config = config
+        apply_context_parallel(transformer, config.context_parallel_config, transformer._cp_plan)
+        transformer._parallel_config = config

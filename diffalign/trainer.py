@@ -62,6 +62,10 @@ class Trainer:
     #: the update loop keeps every process's forwards in lockstep (``lockstep_counts``): FSDP may shard it
     supports_fsdp = False
 
+    #: the update loop reads its data layout from ``self.layout`` and its rewards through
+    #: ``groups.gathered_group_advantages``: ``train.context_parallel`` may split its samples' tokens
+    supports_context_parallel = False
+
     #: the iteration record's key of the reward the method trains on, which the reward-hacking guard
     #: (``train.guard``) sets beside its verifier; a method trained on a judge's score names that score
     learned_reward_key = "reward_mean"
@@ -110,6 +114,9 @@ class Trainer:
             distributed.fsdp_settings()  # FSDP1 and unapplied keys stop before accelerate builds its FSDP plugin
         self.accelerator = Accelerator(mixed_precision=self.mixed_precision, cpu=device.type == "cpu",
                                        log_with=tracking.log_with(cfg) or None)
+        # the data layout: processes of a context-parallel group hold the same samples
+        self.layout = distributed.process_layout(self.accelerator.process_index, self.accelerator.num_processes,
+                                                 cfg.train.context_parallel)
         runs.check_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)  # every process: same verdict
         if self.resume:  # before the model loads: a changed setup is a one-line error
             checkpoints.check_resume_config(self.run_dir, cfg, self.allow_config_change)
@@ -136,6 +143,11 @@ class Trainer:
                                       nonfinite=cfg.reward.nonfinite, stats=self.stats,
                                       groupwise=reward_models.is_groupwise(self.reward_fn))
         self._setup_trainable()
+        if self.layout.degree > 1:  # after LoRA: the split and gather hooks wrap the adapted modules
+            problem = distributed.context_parallel_problem(self.adapter.family, self.layout.degree)
+            if problem:  # a hub id's family is known once it has loaded
+                raise ConfigError(problem)
+            distributed.enable_context_parallel(list(self.adapter.denoiser_parts().values()), self.layout, self.device)
         self.kernel = build_kernel(
             self.adapter, cfg.sampling.kernel, cfg.sampling.noise_level,
             std_schedule=cfg.sampling.std_schedule, reduction=cfg.algorithm.kernel_reduction(),
@@ -319,10 +331,9 @@ class Trainer:
 
     def plan_group_rollout(self, iteration: int, *, with_step_noise: bool = True) -> groups.GroupRollout:
         """This iteration's prompts and noise for a group rollout (:func:`diffalign.training.groups.plan_group_rollout`)."""
-        acc = self.accelerator
         return groups.plan_group_rollout(self.cfg, iteration, adapter=self.adapter, prompt_sampler=self.prompt_sampler,
-                                         generator=self.generator, resolution=self.resolution, world=acc.num_processes,
-                                         rank=acc.process_index, with_step_noise=with_step_noise)
+                                         generator=self.generator, resolution=self.resolution, world=self.layout.dp_world,
+                                         rank=self.layout.dp_rank, with_step_noise=with_step_noise)
 
     def guarded_iteration(self, it: int) -> dict:
         """:meth:`iteration`; when the reward fails for good before any update of the iteration,
@@ -396,7 +407,7 @@ class Trainer:
             num_steps=cfg.sampling.eval_num_steps, guidance_scale=cfg.sampling.guidance_scale,
             resolution=self.resolution, eval_prompts=self.eval_prompts, probe_prompts=self.probe_prompts,
             score=self.score, eval_weights=self.eval_weights, autocast=self.autocast, run_dir=self.run_dir,
-            accelerator=self.accelerator, sharded=self.sharded, progress_bar=cfg.log.progress_bar,
+            accelerator=self.accelerator, sharded=self.sharded or self.layout.degree > 1, progress_bar=cfg.log.progress_bar,
             log_image=self.tracking.log_image, load_base=self.load_base, autocast_dtype=self.autocast_dtype,
             base_model=cfg.model.id)
 

@@ -53,6 +53,7 @@ class FlowGRPOConfig(GroupAdvantageOptions, ClippedPolicyOptions, AlgorithmConfi
 
 class FlowGRPOTrainer(Trainer):
     supports_fsdp = True
+    supports_context_parallel = True  # group rollouts from plan_group_rollout, rewards from gathered_group_advantages
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)

@@ -301,6 +301,7 @@ class SolRLGRPOTrainer(TwoStageRollout, FlowGRPOTrainer):
     seed; ``sampling.window_*`` for ODE outside a window), and Flow-GRPO's clipped loss trains on it."""
 
     supports_fsdp = False  # the low-precision copy is built from the policy's full weights
+    supports_context_parallel = False  # its two-stage rollout has its own data layout
 
     sampling_adapter = DEFAULT_ADAPTER  # on-policy: the current policy samples
 

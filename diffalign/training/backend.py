@@ -151,6 +151,9 @@ class Backend:
         groups = np.array_split(np.arange(len(terms)), self.cfg.train.optimizer_steps_per_iteration)
         local = torch.tensor([sum(terms[m] for m in grp) for grp in groups], dtype=torch.float64)
         total = self.accelerator.reduce(local.to(self.device), reduction="sum").cpu() if self.accelerator.num_processes > 1 else local
+        # the processes of a context-parallel group hold the same samples: their terms count once
+        # (and their gradients, each the part through its own tokens, are summed in optimizer_step)
+        total = total / self.cfg.train.context_parallel
         forwards = self.lockstep_counts([len(grp) for grp in groups])
         return [OptimizerStep(grp, float(n), f) for grp, n, f in zip(groups, total, forwards) if n != 0]
 

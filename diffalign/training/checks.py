@@ -10,7 +10,7 @@ import math
 import torch
 
 import reward_models
-from diffalign import recipes
+from diffalign import distributed, recipes
 from diffalign.adapters import FAMILIES, SOURCE_IMAGE_FAMILIES, model_family
 from diffalign.errors import ConfigError, DiffalignError
 from diffalign.prompts import resolve_probe_prompts, resolve_prompts
@@ -41,9 +41,25 @@ def check_config(cfg) -> None:
     if family in SOURCE_IMAGE_FAMILIES and not cfg.prompts.image_column:
         raise ConfigError(f"config key 'prompts.image_column': model family {family!r} edits a source image; give a prompt "
                           "file whose rows name one (docs/models.md, Editing)")
+    check_context_parallel(cfg, family)
     check_trackers(cfg.log.trackers)
     resolve_prompts(cfg)
     resolve_probe_prompts(cfg)
+
+
+def check_context_parallel(cfg, family: str | None) -> None:
+    """``train.context_parallel`` > 1 needs a method whose trainer supports it and a family whose
+    diffusers transformer has a context-parallel plan that trains (``family`` None: a hub id, checked
+    again once it has loaded). One ConfigError naming the key."""
+    degree = cfg.train.context_parallel
+    if degree == 1:
+        return
+    if not recipes.trainer_class(cfg.algorithm.name).supports_context_parallel:
+        raise ConfigError(f"config key 'train.context_parallel' {degree}: algorithm {cfg.algorithm.name!r} does not support "
+                          "context parallelism (flow_grpo does)")
+    problem = distributed.context_parallel_problem(family, degree) if family is not None else None
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_judges_trained(cfg, config_path: str) -> None:

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import torch
 
 from diffalign.algorithms.flow_grpo import group_advantages
+from diffalign.distributed import one_per_context_group
 from diffalign.sampling import sample_linear, sde_window_mask
 
 
@@ -113,7 +114,8 @@ def gathered_group_advantages(trainer, rewards: torch.Tensor, n_global: int, ite
     advantages of :func:`diffalign.algorithms.flow_grpo.group_advantages`. Returns the advantages
     and the iteration's reward and advantage statistics."""
     rewards = trainer.check_rewards(rewards, iteration)
-    all_rewards = trainer.accelerator.gather(rewards.to(trainer.device)).cpu()  # (n_global,) in sample order
+    all_rewards = trainer.accelerator.gather(rewards.to(trainer.device)).cpu()
+    all_rewards = one_per_context_group(all_rewards, trainer.layout)  # (n_global,) in sample order
     group_ids = torch.arange(n_global) // trainer.cfg.rollout.group_size
     adv = group_advantages(all_rewards, group_ids, std_mode=std_mode, unbiased=unbiased, eps=eps, clip=clip,
                            filter_zero_std=filter_zero_std)

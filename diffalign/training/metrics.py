@@ -41,7 +41,7 @@ def header_lines(trainer) -> list[str]:
     """What a run prints when it starts: the method, model and run directory, the derived sizes,
     and a note on settings that do not apply."""
     cfg = trainer.cfg
-    d = cfg.derived(trainer.accelerator.num_processes)
+    d = cfg.derived(trainer.layout.dp_world)  # data-parallel groups: a context-parallel group shares its samples
     n_train = sum(p.numel() for p in trainer.trainable)
     lines = [f"diffalign: {cfg.algorithm.name} on {cfg.model.id} ({trainer.adapter.family}, {trainer.resolution}px) "
              f"-> {trainer.run_dir}",
@@ -50,6 +50,9 @@ def header_lines(trainer) -> list[str]:
     if cfg.prompts.source == "shapes" and cfg.eval.samples_per_prompt != 1:
         lines.append(f"  note: eval.samples_per_prompt={cfg.eval.samples_per_prompt} does not apply to ShapesWorld prompts; "
                      f"the evaluation samples eval.images_per_family={cfg.eval.images_per_family} images per family")
+    if trainer.layout.degree > 1:
+        lines.append(f"  context parallelism: each sample's tokens split over {trainer.layout.degree} processes, "
+                     f"{trainer.layout.dp_world} data-parallel group(s)")
     return lines
 
 
