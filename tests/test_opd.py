@@ -18,7 +18,8 @@ from diffalign.recipes.opd import OPDTrainer, TeacherConfig, load_teacher
 from diffalign.sampling import build_kernel
 from diffalign.shapes import prompt_family, split_prompts
 from diffalign.trainer import build_trainer
-from tests.helpers.tiny_run import FAST, ROOT, run_cli, train_records
+from tests.helpers.compare import assert_resumed_equals_uninterrupted
+from tests.helpers.tiny_run import FAST, ROOT, run_cli
 
 CONFIG = "configs/tiny/opd_sd3.yaml"
 # a short run: 2 ODE steps (both trained), 2 prompts x 2 images, one micro-batch per step
@@ -142,6 +143,22 @@ def test_a_lora_run_as_teacher_predicts_as_the_trained_model(opd_run, tmp_path):
     assert tr.algo.teacher_names() == ["animals", "scenes"]
 
 
+def test_a_full_fine_tune_output_as_teacher_is_its_denoiser(tmp_path):
+    from diffalign.adapters import load_adapter
+    from diffalign.export import save_trained_weights
+
+    tuned = load_adapter("tiny:sd3")
+    with torch.no_grad():
+        for p in tuned.denoiser.parameters():
+            p.add_(0.01)
+    save_trained_weights(tuned, tmp_path / "run" / "final", lora=False, metadata={"base_model": "tiny:sd3", "family": "sd3"})
+    student = load_adapter("tiny:sd3")
+    teacher = load_teacher(TeacherConfig(model=str(tmp_path / "run")), student, device="cpu", dtype=torch.float32)
+    want = dict(tuned.denoiser.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in teacher.named_parameters())
+    assert teacher is not student.denoiser and not any(p.requires_grad for p in teacher.parameters())
+
+
 # ---- training ---------------------------------------------------------------------------------
 def _distance(tr, x, t, emb) -> float:
     """mean (v_student - v_teacher)^2 at fixed states."""
@@ -189,19 +206,11 @@ def test_self_check_catches_a_student_that_is_not_its_sampler(tmp_path, monkeypa
 
 
 def test_resume_matches_uninterrupted_run(opd_run, tmp_path):
-    from safetensors.torch import load_file
-
     full, part = tmp_path / "full", tmp_path / "part"
     shutil.copytree(opd_run, part)  # one iteration of the same config
     assert run_cli("train", CONFIG, f"output_dir={full}", "max_iterations=2", *RESUMABLE, *SMALL) == 0
     assert run_cli("resume", str(part), "max_iterations=2") == 0
-    a = load_file(str(full / "final" / "pytorch_lora_weights.safetensors"))
-    b = load_file(str(part / "final" / "pytorch_lora_weights.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ra, rb = train_records(full), train_records(part)
-    assert [r["iteration"] for r in rb] == [0, 1]
-    for key in ("reward_mean", "loss", "teacher_kl/animals", "teacher_kl/scenes"):
-        assert [r[key] for r in ra] == [r[key] for r in rb], key
+    assert_resumed_equals_uninterrupted(full, part, ("reward_mean", "loss", "teacher_kl/animals", "teacher_kl/scenes"))
 
 
 # ---- configs and bad input ------------------------------------------------------------------
@@ -219,6 +228,7 @@ def test_opd_is_registered_and_its_configs_load(tmp_path):
     ("algorithm.teachers[0].families=[circles]", "algorithm.teachers[0].families"),
     ("algorithm.teachers[0].model=/no/such/teacher", "algorithm.teachers[0].model"),
     ("algorithm.rollout=sde", "algorithm.rollout"),
+    ("algorithm.teachers[0].families=[colors]", "algorithm.teachers[0].families"),  # families need ShapesWorld prompts
 ])
 def test_bad_value_exits_2_with_one_line_naming_the_key(tmp_path, capsys, override, key):
     extra = ["sampling.kernel=cps"] if override == "algorithm.rollout=sde" else []
