@@ -193,6 +193,17 @@ def test_student_moves_toward_a_perturbed_copy_of_itself(tmp_path):
     assert records[0]["teacher_kl/copy"] == pytest.approx(records[0]["loss"])
 
 
+def test_sde_rollouts_rescore_on_policy_and_train(tmp_path):
+    cfg = load_config(ROOT / CONFIG, [f"output_dir={tmp_path / 'run'}", *SMALL, "algorithm.rollout=sde"])
+    tr = build_trainer(cfg)
+    tr.setup()
+    before = [p.detach().clone() for p in tr.trainable]
+    rec = tr.iteration(0)
+    assert tr.self_check_log_ratio is not None and tr.self_check_log_ratio < 1e-4  # the SDE log-ratio before the update
+    assert rec["optimizer_steps"] == 1 and math.isfinite(rec["loss"]) and rec["loss"] > 0
+    assert sum(float((p.detach() - b).abs().sum()) for p, b in zip(tr.trainable, before)) > 0
+
+
 def test_self_check_catches_a_student_that_is_not_its_sampler(tmp_path, monkeypatch):
     cfg = load_config(ROOT / CONFIG, [f"output_dir={tmp_path / 'run'}", *SMALL])
     tr = build_trainer(cfg)
