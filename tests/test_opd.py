@@ -110,6 +110,10 @@ def test_shapes_families_route_each_prompt_to_its_specialist(tmp_path):
                                                             "algorithm.teachers[1].families=[colors]"])
     with pytest.raises(ConfigError, match="go to no teacher"):
         build_trainer(orphan).check_routing(train)
+    idle = load_config(ROOT / CONFIG, [f"output_dir={tmp_path / 'z'}", "algorithm.teachers[1].match=[zebra]",
+                                       "algorithm.teachers[0].match=[.]"])
+    with pytest.raises(ConfigError, match="'scenes' gets no training prompt"):
+        build_trainer(idle).check_routing(idle.prompts.train)
 
 
 # ---- teachers ---------------------------------------------------------------------------------
@@ -202,6 +206,17 @@ def test_sde_rollouts_rescore_on_policy_and_train(tmp_path):
     assert tr.self_check_log_ratio is not None and tr.self_check_log_ratio < 1e-4  # the SDE log-ratio before the update
     assert rec["optimizer_steps"] == 1 and math.isfinite(rec["loss"]) and rec["loss"] > 0
     assert sum(float((p.detach() - b).abs().sum()) for p, b in zip(tr.trainable, before)) > 0
+
+
+def test_a_guided_teacher_of_an_unguided_student_gets_the_unconditional_embeddings(tmp_path):
+    cfg = load_config(ROOT / CONFIG, [f"output_dir={tmp_path / 'run'}", *SMALL, "algorithm.teachers[0].guidance_scale=3"])
+    tr = build_trainer(cfg)
+    tr.setup()
+    assert tr.teacher_scales == [3.0, 1.0]
+    traj, plan, embeds, _ = tr.rollout(0)
+    assert plan.embeds.uncond is None and embeds.uncond is not None and len(embeds) == len(traj)
+    rec = tr.update(traj, plan, embeds)
+    assert rec["optimizer_steps"] == 1 and math.isfinite(rec["teacher_kl/animals"])
 
 
 def test_self_check_catches_a_student_that_is_not_its_sampler(tmp_path, monkeypatch):

@@ -96,6 +96,7 @@ class OPDConfig(AlgorithmConfig):
                   f"sde needs sampling.kernel {' or '.join(SQRT_DT_KERNELS)} (the KL divides by the kernel's sigma_t^2)")
             check(sampling.noise_level > 0, f"{prefix}.rollout", "sde needs sampling.noise_level > 0 (else use rollout: ode)")
             check(sampling.window_size == 0, f"{prefix}.rollout", "sde trains every step: sampling.window_size must be 0")
+            check(sampling.noise_pool == 1, f"{prefix}.rollout", "sde compares full-resolution means: sampling.noise_pool must be 1")
 
     def teacher_names(self) -> list[str]:
         return [t.name or f"teacher{i}" for i, t in enumerate(self.teachers)]
