@@ -40,6 +40,7 @@ OTHER_ALGORITHMS = {
     "diffusion_nft": ("configs/tiny/diffusion_nft_sd3.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
     "awm": ("configs/tiny/awm.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
     "raft": ("configs/tiny/raft_sd3.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
+    "opd": ("configs/tiny/opd_sd3.yaml", ["optim.lr=20", "train.batch_size=64"], *SPLIT_PROMPTS),
     "flow_grpo_guard": ("configs/tiny/flow_grpo_guard.yaml", ["optim.lr=5", "train.batch_size=64"], *SPLIT_PROMPTS),
     "spo": ("configs/tiny/spo_sd15.yaml", ["optim.lr=0.5", "train.batch_size=64"], *SPLIT_PROMPTS),
     "diffusion_dpo": ("configs/shapes/diffusion_dpo.yaml",
