@@ -158,7 +158,8 @@ class OPDTrainer(Trainer):
             try:
                 self.teachers.append(load_teacher(spec, self.adapter, device=self.device, dtype=DTYPES[self.cfg.model.dtype]))
             except DiffalignError as exc:
-                raise ConfigError(f"config key 'algorithm.teachers[{i}].model': {exc}") from None
+                raise ConfigError(f"config key 'algorithm.teachers[{i}].model': {exc} (a teacher is a run folder, a LoRA "
+                                  f"folder or a model id; train a run first: docs/opd.md#teachers)") from None
             except Exception as exc:  # a LoRA that does not fit the base, a file that is no model
                 raise ConfigError(f"config key 'algorithm.teachers[{i}].model': cannot load {spec.model!r} "
                                   f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
