@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import schedulers
+from diffalign.adapters import load_adapter
 from diffalign.algorithms.opd import Route, opd_loss, routing_weights, transition_kl
 from diffalign.config_files import load_config
 from diffalign.errors import ConfigError
@@ -126,13 +127,9 @@ def opd_run(tmp_path_factory):
     return out
 
 
-def test_a_lora_run_as_teacher_predicts_as_the_trained_model(opd_run, tmp_path):
-    trained = load_trained_adapter(opd_run)
-    cfg = load_config(ROOT / CONFIG, [f"output_dir={tmp_path / 'x'}"])
-    tr = build_trainer(cfg)
-    from diffalign.adapters import load_adapter
-
-    student = load_adapter("tiny:sd3")
+def test_a_lora_run_as_teacher_predicts_as_the_trained_model(opd_run):
+    trained = load_trained_adapter(opd_run)  # the run's base + its final/ LoRA, through diffusers' loading
+    student = load_adapter("tiny:sd3")  # the student's model before its own LoRA
     teacher = load_teacher(TeacherConfig(model=str(opd_run)), student, device="cpu", dtype=torch.float32)
     assert not any(p.requires_grad for p in teacher.parameters())
     emb = student.encode_prompts(["a cat", "a red car"], with_uncond=False)
@@ -144,11 +141,20 @@ def test_a_lora_run_as_teacher_predicts_as_the_trained_model(opd_run, tmp_path):
         base = student.predict(x, t, emb, 1.0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert float((got - base).abs().max()) > 1e-4  # the LoRA is in it
-    assert tr.algo.teacher_names() == ["animals", "scenes"]
+    # fusing the teacher's LoRA left the student's own base denoiser as it was
+    assert all(torch.equal(a, b) for a, b in zip(student.denoiser.parameters(), load_adapter("tiny:sd3").denoiser.parameters()))
+
+
+def test_a_lora_student_trains_against_a_lora_run_teacher(opd_run, tmp_path):
+    cfg = load_config(ROOT / CONFIG, [f"output_dir={tmp_path / 'run'}", *SMALL, f"algorithm.teachers=[{{model: '{opd_run}'}}]"])
+    tr = build_trainer(cfg)
+    tr.setup()  # the teacher's LoRA fused into a copy first, then the student's own LoRA added
+    assert len(tr.policy.lora_layers) > 0 and not any(p.requires_grad for p in tr.teachers[0].parameters())
+    rec = tr.iteration(0)
+    assert rec["optimizer_steps"] == 1 and rec["teacher_kl/teacher0"] > 0
 
 
 def test_a_full_fine_tune_output_as_teacher_is_its_denoiser(tmp_path):
-    from diffalign.adapters import load_adapter
     from diffalign.export import save_trained_weights
 
     tuned = load_adapter("tiny:sd3")
