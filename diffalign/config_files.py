@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -198,17 +199,38 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+_INDEXED = re.compile(r"^(.+)\[(\d+)\]$")  # "teachers[1]": an entry of a list of sections
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Set each ``dotted.key=value``; a key part ``name[i]`` reaches into entry i of a list of
+    sections (``algorithm.teachers[1].model=...``)."""
     for text in overrides:
         path, value = parse_override(text)
         node = data
-        for part in path[:-1]:
+        for n, part in enumerate(path):
+            last = n == len(path) - 1
+            indexed = _INDEXED.match(part)
+            if indexed:
+                name, i = indexed.group(1), int(indexed.group(2))
+                entries = node.get(name)
+                if not isinstance(entries, list) or i >= len(entries):
+                    raise ConfigError(f"override {text!r}: '{name}' has no entry {i}")
+                if last:
+                    entries[i] = value
+                    break
+                if not isinstance(entries[i], dict):
+                    raise ConfigError(f"override {text!r}: '{part}' is not a section")
+                node = entries[i]
+                continue
+            if last:
+                node[part] = value
+                break
             if node.get(part) is None:
                 node[part] = {}
             if not isinstance(node[part], dict):
                 raise ConfigError(f"override {text!r}: '{part}' is not a section")
             node = node[part]
-        node[path[-1]] = value
     return data
 
 

@@ -40,6 +40,7 @@ OTHER_ALGORITHMS = {
     "diffusion_nft": ("configs/tiny/diffusion_nft_sd3.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
     "awm": ("configs/tiny/awm.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
     "raft": ("configs/tiny/raft_sd3.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
+    "opd": ("configs/tiny/opd_sd3.yaml", ["optim.lr=20", "train.batch_size=64"], *SPLIT_PROMPTS),
     "flow_grpo_guard": ("configs/tiny/flow_grpo_guard.yaml", ["optim.lr=5", "train.batch_size=64"], *SPLIT_PROMPTS),
     "spo": ("configs/tiny/spo_sd15.yaml", ["optim.lr=0.5", "train.batch_size=64"], *SPLIT_PROMPTS),
     "diffusion_dpo": ("configs/shapes/diffusion_dpo.yaml",
@@ -67,3 +68,16 @@ def assert_same_update(initial: dict, a: dict, b: dict, rel: float, min_update: 
     assert update >= min_update, f"the weights moved by {update:.3g} only: no real update to compare"
     gap = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
     assert gap <= rel * update, f"the runs end {gap:.3g} apart: {gap / update:.3g} of the update {update:.3g} (> {rel:g})"
+
+
+def assert_resumed_equals_uninterrupted(full: Path, resumed: Path, keys: tuple[str, ...], iterations: int = 2) -> None:
+    """A run resumed from a checkpoint ended where the uninterrupted one did: the same final LoRA,
+    bit for bit, and the same values of ``keys`` in every training record."""
+    from tests.helpers.tiny_run import train_records
+
+    a, b = weights(full), weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = train_records(full), train_records(resumed)
+    assert [r["iteration"] for r in rb] == list(range(iterations))
+    for key in keys:
+        assert [r[key] for r in ra] == [r[key] for r in rb], key
