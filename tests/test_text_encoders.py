@@ -145,6 +145,35 @@ def test_cache_shards_and_editing_prompts(sd3, tmp_path, monkeypatch):
                        type(sd3).encode_prompts(sd3, ["x", "a red car"], with_uncond=False).cond["encoder_hidden_states"][1:])
 
 
+def test_processes_encode_their_shards(sd3, tmp_path, monkeypatch, encode_calls):
+    """Two processes (threads here, with a barrier of two): each encodes every second shard, the
+    main one writes the index, and both read the same rows as one process builds."""
+    import threading
+
+    monkeypatch.setattr(text_encoders, "SHARD_PROMPTS", 1)
+    one = cache_prompt_embeddings(sd3, tmp_path / "one", PROMPTS, MODEL)
+    encode_calls.clear()
+    barrier, built, errors = threading.Barrier(2), {}, []
+
+    def process(rank):
+        try:
+            built[rank] = cache_prompt_embeddings(sd3, tmp_path / "two", PROMPTS, MODEL, rank=rank, world=2,
+                                                  barrier=barrier.wait)
+        except BaseException as exc:  # shown by the assertion below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert sorted(map(tuple, encode_calls)) == [(p,) for p in sorted(PROMPTS)]  # each prompt encoded once, by one process
+    for cache in built.values():
+        assert_same_embeds(cache(PROMPTS, with_uncond=True), one(PROMPTS, with_uncond=True))
+
+
 # ---- end to end: tiny ShapesWorld Flow-GRPO ---------------------------------------------------------
 SHAPES_RUN = ["configs/shapes/flow_grpo.yaml", "model.id=tiny:shapes", "lora.enabled=true", "lora.rank=4", "lora.alpha=4",
               "prompts.families=[single_object]", "rollout.prompts_per_iteration=2", "rollout.group_size=2",
