@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from diffalign import runs
+from diffalign import progress, runs
 from diffalign.adapters.base import ModelAdapter, PromptEmbeds
 from diffalign.errors import ConfigError
 from diffalign.images import prompt_image, prompt_record
@@ -169,8 +169,11 @@ class EmbeddingCache:
 
         folder = Path(folder)
         encode = type(adapter).encode_prompts.__get__(adapter)
-        uncond_keys = list(dict.fromkeys(_uncond_key(p) for p in prompts))
-        first_with = {k: next(i for i, p in enumerate(prompts) if _uncond_key(p) == k) for k in uncond_keys}
+        first_with: dict[str, int] = {}  # unconditional key -> the first prompt that has it
+        for i, p in enumerate(prompts):
+            first_with.setdefault(_uncond_key(p), i)
+        uncond_keys = list(first_with)
+        uncond_index = {k: u for u, k in enumerate(uncond_keys)}
         uncond_shard = {k: first_with[k] // SHARD_PROMPTS for k in uncond_keys}
         n_shards = max(1, -(-len(prompts) // SHARD_PROMPTS))
         if rank == 0:
@@ -178,23 +181,28 @@ class EmbeddingCache:
             folder.mkdir(parents=True)
         barrier()
         names: dict[str, list[str]] = {}
-        for shard in range(rank, n_shards, world):
+        mine = range(rank, n_shards, world)
+        bar = progress.bar(total=sum(len(prompts[s * SHARD_PROMPTS:(s + 1) * SHARD_PROMPTS]) for s in mine),
+                           desc="encoding the prompt set", unit="prompt", disable=rank != 0)
+        for shard in mine:
             start = shard * SHARD_PROMPTS
             chunk = list(prompts[start:start + SHARD_PROMPTS])
             tensors: dict[str, torch.Tensor] = {}
             for b in range(0, len(chunk), ENCODE_BATCH):
                 batch = chunk[b:b + ENCODE_BATCH]
                 embeds = encode(batch, with_uncond=True)
+                bar.update(len(batch))
                 names = {"cond": sorted(embeds.cond), "uncond": sorted(embeds.uncond)}
                 for j, p in enumerate(batch):
                     i = start + b + j
                     tensors.update({f"cond/{i}/{n}": v[j:j + 1].detach().cpu().clone() for n, v in embeds.cond.items()})
                     if first_with[_uncond_key(p)] == i:
-                        u = uncond_keys.index(_uncond_key(p))
+                        u = uncond_index[_uncond_key(p)]
                         tensors.update({f"uncond/{u}/{n}": v[j:j + 1].detach().cpu().clone() for n, v in embeds.uncond.items()})
             tmp = folder / f".{_shard_file(shard)}.tmp"
             save_file(tensors, str(tmp))
             os.replace(tmp, folder / _shard_file(shard))
+        bar.close()
         barrier()
         if rank == 0:
             if not names:  # the main process encoded no shard (more processes than shards): one prompt for the names
