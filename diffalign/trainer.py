@@ -134,6 +134,7 @@ class Trainer:
                                                       dtype=DTYPES[cfg.model.dtype], **cfg.model.options)
         if cfg.model.text_encoders == "offload":  # to CPU memory before the LoRA and the optimizer take the device's
             text_encoders.use_placement(self.adapter, "offload")
+            self.log(f"text encoders: {', '.join(self.adapter.text_encoders())} in CPU memory between encodings")
         self.resolution = cfg.model.resolution or self.adapter.default_resolution
         if self.device.type != "cpu" and cfg.reward.name:
             # rebuild on the accelerator when it has one (rewards take a device argument)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diffalign.adapters import load_adapter
+from diffalign.adapters.base import PromptEmbeds
 from diffalign.adapters.sd3 import SD3Adapter
 from diffalign.adapters.shapes import ShapesAdapter
 from diffalign.config_files import load_config
@@ -110,6 +111,17 @@ def test_cache_gives_the_encodings_and_frees_the_encoders(sd3, tmp_path, encode_
     assert encode_calls == []
     with pytest.raises(ConfigError, match="model.text_encoders.*'a horse' is not in the run's encoded prompt set"):
         sd3.encode_prompts(["a horse"], with_uncond=False)
+
+
+def test_cache_of_the_shipped_model(tmp_path):
+    """The shipped ShapesWorld model (BERT encoder): each cached row is the prompt's encoding,
+    alone or in any batch, bit for bit."""
+    shapes = load_adapter("shapes")
+    prompts = ["one red circle", "two blue squares", "a green triangle left of a yellow circle"]
+    resident = [shapes.encode_prompts([p], with_uncond=True) for p in prompts]
+    use_placement(shapes, "cache", cache=cache_prompt_embeddings(shapes, tmp_path, prompts, {"id": "shapes"}))
+    assert shapes.pipeline.text_encoder is None
+    assert_same_embeds(shapes.encode_prompts(prompts, with_uncond=True), PromptEmbeds.cat(resident))
 
 
 def test_cache_is_read_back_and_rebuilt_when_the_prompts_or_model_change(sd3, tmp_path, encode_calls):
