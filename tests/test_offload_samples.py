@@ -10,7 +10,7 @@ from diffalign.errors import ConfigError
 from diffalign.sampling import Trajectory
 from diffalign.trainer import build_trainer
 from diffalign.training import samples
-from tests.helpers.compare import FLOW_GRPO, REL, assert_same_update, weights
+from tests.helpers.compare import FLOW_GRPO, OTHER_ALGORITHMS, REL, SHORT_RUN, assert_same_update, weights
 from tests.helpers.tiny_run import run_cli
 
 # one iteration of Flow-GRPO on tiny SD3, checkpoint at the start (iteration 0) for the initial weights
@@ -33,8 +33,8 @@ def test_to_device_moves_every_sample_tensor():
 
 
 def test_offload_samples_only_where_the_update_moves_micro_batches():
-    cfg = load_config("configs/tiny/diffusion_nft_sd3.yaml", ["rollout.offload_samples=true"])
-    with pytest.raises(ConfigError, match="'rollout.offload_samples' is not supported by algorithm 'diffusion_nft'"):
+    cfg = load_config("configs/tiny/raft_sd3.yaml", ["rollout.offload_samples=true"])
+    with pytest.raises(ConfigError, match="'rollout.offload_samples' is not supported by algorithm 'raft'"):
         build_trainer(cfg)
     assert load_config(None).rollout.offload_samples is False
 
@@ -88,3 +88,16 @@ def _tensors(item):
     if isinstance(item, Trajectory):
         return [item.latents, item.log_probs, item.images]
     return []
+
+
+@pytest.mark.parametrize("algorithm", ["stepwise_flow_grpo", "diffusion_nft"])
+def test_other_updates_with_offloaded_samples_train_the_same_weights(algorithm, tmp_path):
+    """The transition update (Stepwise-Flow-GRPO, DRM Step-GRPO) and the matching update
+    (DiffusionNFT, AWM, Sol-RL's NFT optimizer) with their samples in CPU memory."""
+    config, overrides, one_process, _ = OTHER_ALGORITHMS[algorithm]
+    run = [config, *SHORT_RUN, *overrides, *one_process, "max_iterations=1", "sampling.num_steps=3"]
+    assert run_cli("train", *run, f"output_dir={tmp_path / 'plain'}") == 0
+    assert run_cli("train", *run, "rollout.offload_samples=true", f"output_dir={tmp_path / 'offload'}") == 0
+    a, b = weights(tmp_path / "plain"), weights(tmp_path / "offload")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)  # the LoRA moved
