@@ -1,11 +1,11 @@
 """Where a run keeps its text encoders (``model.text_encoders``), and the prompt-embedding cache.
 
 Text encoders are large and mostly idle: Qwen2.5-VL-7B (Qwen-Image) is 16.6 GB, umT5-XXL (Wan)
-11.4 GB, T5-XXL (SD3, FLUX.1) 9.5 GB, while a Flow-GRPO run
-encodes a fixed prompt set. Three placements, one mechanism for every model family: the run puts
-its own callable in place of the adapter's :meth:`~diffalign.adapters.base.ModelAdapter.encode_prompts`
-(every part that needs embeddings, rollouts, updates and evaluations alike, calls that method), so
-no family and no recipe knows which placement runs:
+11.4 GB, T5-XXL (SD3, FLUX.1) 9.5 GB, while a Flow-GRPO run encodes a fixed prompt set. Three
+placements, one mechanism for every model family: the run puts its own callable in place of the
+adapter's :meth:`~diffalign.adapters.base.ModelAdapter.encode_prompts` (every part that needs
+embeddings, rollouts, updates and evaluations alike, calls that method), so no family and no recipe
+knows which placement runs:
 
 - ``resident``: the family's encoding, encoders on the device all run long (the default);
 - ``offload``: :class:`OffloadedEncoding`, the encoders in CPU memory, moved to the device for
