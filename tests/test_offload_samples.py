@@ -21,8 +21,8 @@ RUN = [*FLOW_GRPO, "max_iterations=1", "sampling.num_steps=3", "eval.samples_per
 def test_to_device_moves_every_sample_tensor():
     traj = Trajectory(torch.zeros(2, 4, 3), torch.zeros(2, 3), torch.linspace(1, 0, 4), torch.ones(3, dtype=torch.bool),
                       torch.zeros(2, 3, 8, 8))
-    embeds = PromptEmbeds({"a": torch.zeros(2, 5), "mask": torch.ones(2, 5, dtype=torch.long)}, {"a": torch.ones(2, 5),
-                                                                                                   "mask": torch.ones(2, 5, dtype=torch.long)})
+    mask = torch.ones(2, 5, dtype=torch.long)
+    embeds = PromptEmbeds({"a": torch.zeros(2, 5), "mask": mask}, {"a": torch.ones(2, 5), "mask": mask})
     meta = torch.device("meta")
     moved_traj, moved_embeds, rest = samples.to_device((traj, embeds, {"ids": [torch.arange(3), "a cat", None]}), meta)
     assert all(getattr(moved_traj, f).device == meta for f in ("latents", "log_probs", "timesteps", "sde_mask", "images"))
