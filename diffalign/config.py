@@ -34,6 +34,10 @@ class ModelConfig:
     resolution: int = 0  # image side in pixels; 0 = the adapter's default
     revision: Optional[str] = None  # hub revision (branch, tag or commit)
     options: dict = field(default_factory=dict)  # adapter options, e.g. {num_frames: 33} for wan (docs/models.md)
+    # where the text encoders live (docs/text_encoders.md): "resident" on the device all run long;
+    # "offload" in CPU memory, moved to the device for each encoding; "cache": the run's whole prompt
+    # set encoded once into the run directory, then the encoders are freed
+    text_encoders: Literal["resident", "offload", "cache"] = "resident"
 
     def validate(self) -> None:
         check(self.resolution >= 0 and self.resolution % 8 == 0, "model.resolution", "must be 0 or a positive multiple of 8")
@@ -96,6 +100,10 @@ class RolloutConfig:
     # that the rewards within a group differ only through the SDE steps the update trains; off:
     # independent noise per image (the Flow-GRPO reference)
     shared_noise: bool = False
+    # between rollout and update, keep a group's samples (latents, log-probs, prompt embeddings) in
+    # CPU memory and move each micro-batch to the device when the update uses it (large video
+    # rollouts; docs/text_encoders.md#rollout-samples). Same weights either way.
+    offload_samples: bool = False
 
     def validate(self) -> None:
         check(self.prompts_per_iteration >= 1, "rollout.prompts_per_iteration", "must be >= 1")

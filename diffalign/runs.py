@@ -7,6 +7,7 @@ Layout of a run directory::
     checkpoints/       iter-000010/ tensors.safetensors + state.json (full training state), written atomically
     final/             weights a diffusers pipeline loads (LoRA: load_lora_weights(final/))
     report.md          plots and before/after sample grids (when log.report is on)
+    text_embeddings/   the prompt set's embeddings (model.text_encoders: cache; diffalign.training.text_encoders)
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from diffalign.images import prompt_metadata, prompt_record
 from diffalign.prompts import PromptSampler, resolve_probe_prompts, resolve_prompts
 from diffalign.report import write_report
 from diffalign.sampling import build_kernel
-from diffalign.training import checkpoints, evaluator, groups, metrics, tracking
+from diffalign.training import checkpoints, evaluator, groups, metrics, samples, text_encoders, tracking
 from diffalign.training.backend import Backend, OptimizerStep, allow_precision, lr_factor
 from diffalign.training.checks import check_config, check_on_policy, max_log_ratio
 from diffalign.training.guard import RewardGuard
@@ -66,12 +66,19 @@ class Trainer:
     #: ``groups.gathered_group_advantages``: ``train.context_parallel`` may split its samples' tokens
     supports_context_parallel = False
 
+    #: the update moves each micro-batch to the device itself (:meth:`to_device`), so a rollout's
+    #: samples may wait in CPU memory (``rollout.offload_samples``, :meth:`stash_samples`)
+    supports_sample_offload = False
+
     #: the iteration record's key of the reward the method trains on, which the reward-hacking guard
     #: (``train.guard``) sets beside its verifier; a method trained on a judge's score names that score
     learned_reward_key = "reward_mean"
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, allow_config_change: bool = False,
                  log: Callable[[str], None] | None = None):
+        if cfg.rollout.offload_samples and not self.supports_sample_offload:
+            raise ConfigError(f"config key 'rollout.offload_samples' is not supported by algorithm {cfg.algorithm.name!r} "
+                              "(docs/text_encoders.md#rollout-samples lists those that support it)")
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
         self.resume = resume
@@ -132,6 +139,9 @@ class Trainer:
                           disable=not (self.accelerator.is_main_process and progress.interactive())):
             self.adapter: ModelAdapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device,
                                                       dtype=DTYPES[cfg.model.dtype], **cfg.model.options)
+        if cfg.model.text_encoders == "offload":  # to CPU memory before the LoRA and the optimizer take the device's
+            text_encoders.use_placement(self.adapter, "offload")
+            self.log(f"text encoders: {', '.join(self.adapter.text_encoders())} in CPU memory between encodings")
         self.resolution = cfg.model.resolution or self.adapter.default_resolution
         if self.device.type != "cpu" and cfg.reward.name:
             # rebuild on the accelerator when it has one (rewards take a device argument)
@@ -157,6 +167,12 @@ class Trainer:
         if self.accelerator.is_main_process:
             runs.prepare_run_dir(self.run_dir, resume=self.resume, overwrite=self.overwrite)
         self.accelerator.wait_for_everyone()
+        self.prompt_cache = None
+        if cfg.model.text_encoders == "cache":  # the whole prompt set encoded once (or read back on resume), encoders freed
+            self.prompt_cache = text_encoders.cache_prompt_embeddings(
+                self.adapter, self.run_dir, self.encoded_prompts(), self._encoding_model(), rank=self.accelerator.process_index,
+                world=self.accelerator.num_processes, barrier=self.accelerator.wait_for_everyone, log=self.log)
+            text_encoders.use_placement(self.adapter, "cache", cache=self.prompt_cache, keep_encoders=not cfg.lora.enabled)
         # One stream shared by all processes (prompts, noise, shuffles are drawn globally, then sliced).
         self.generator = torch.Generator("cpu").manual_seed(cfg.seed * 1000 + 17)
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
@@ -185,6 +201,30 @@ class Trainer:
         self.optimizer, self.ema = self.backend.optimizer, self.backend.ema
         if self.cfg.train.attention == "xformers":
             distributed.enable_xformers(self.adapter)
+
+    def encoded_prompts(self) -> list[str]:
+        """Every prompt this run encodes, for ``model.text_encoders: cache``: the training, evaluation
+        and probe prompts, and the validation prompts of ``eval.best_scale``. A recipe that encodes
+        other prompts adds them."""
+        validation = evaluator.validation_prompts(self.eval_prompts) if self.cfg.eval.best_scale else []
+        return text_encoders.run_prompt_set([self.train_prompts, self.eval_prompts, self.probe_prompts, validation])
+
+    def _encoding_model(self) -> dict:
+        """The ``model.*`` entries that change a prompt's embeddings (the embedding cache's key)."""
+        m = self.cfg.model
+        return {"id": m.id, "revision": m.revision, "dtype": m.dtype, "options": m.options}
+
+    def stash_samples(self, *items):
+        """A rollout's samples (tensors, trajectories, prompt embeddings) kept until the update: moved
+        to CPU memory with ``rollout.offload_samples``, else returned as they are. The update then
+        moves each micro-batch back with :meth:`to_device`."""
+        if not self.cfg.rollout.offload_samples:
+            return items
+        return tuple(samples.to_device(item, torch.device("cpu")) for item in items)
+
+    def to_device(self, item):
+        """``item`` (a micro-batch's tensors, trajectory rows or prompt embeddings) on this run's device."""
+        return samples.to_device(item, self.device)
 
     def reference_model(self):
         """The frozen reference: the same network with the LoRA adapter disabled (no second copy),
@@ -414,8 +454,10 @@ class Trainer:
     def load_base(self) -> ModelAdapter:
         """A fresh copy of the base model (``model.*``) on this run's device, as setup loads it."""
         cfg = self.cfg
-        return load_adapter(cfg.model.id, family=cfg.model.family, device=self.device, dtype=DTYPES[cfg.model.dtype],
-                            **cfg.model.options)
+        adapter = load_adapter(cfg.model.id, family=cfg.model.family, device=self.device, dtype=DTYPES[cfg.model.dtype],
+                               **cfg.model.options)
+        text_encoders.use_placement(adapter, cfg.model.text_encoders, cache=self.prompt_cache)
+        return adapter
 
     def evaluate(self, iteration: int, *, save_grid: bool = True, probe: bool = False, best_scale: bool = False) -> dict:
         """See :func:`diffalign.training.evaluator.evaluate`."""

@@ -198,6 +198,24 @@ class ModelAdapter(ABC):
         modules = (components[name] for name in sorted(components))
         return [m for m in modules if isinstance(m, torch.nn.Module) and m is not denoiser]
 
+    def text_encoders(self) -> dict[str, torch.nn.Module]:
+        """The modules :meth:`encode_prompts` runs, by component name: every torch module component
+        named ``text_encoder*`` (diffusers' name for them: SD3's CLIP-L, CLIP-G and T5, FLUX.1's CLIP
+        and T5, Wan's umT5, Qwen-Image's Qwen2.5-VL, ShapesWorld's encoder). A run may keep them off
+        the device between encodings or free them (``model.text_encoders``,
+        :mod:`diffalign.training.text_encoders`); a family whose encoders are named otherwise
+        overrides this."""
+        components = self.pipeline.components
+        return {name: components[name] for name in sorted(components)
+                if name.startswith("text_encoder") and isinstance(components[name], torch.nn.Module)}
+
+    def release_text_encoders(self) -> None:
+        """Drop the text encoders from the pipeline (their memory is freed once nothing else holds
+        them); :meth:`encode_prompts` cannot run afterwards, so whoever calls this replaces it (a
+        run's embedding cache, :mod:`diffalign.training.text_encoders`)."""
+        for name in self.text_encoders():
+            setattr(self.pipeline, name, None)
+
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """Shape of one latent (without batch) for an image of ``height x width`` pixels.
 
@@ -215,7 +233,10 @@ class ModelAdapter(ABC):
     @abstractmethod
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str], *, with_uncond: bool) -> PromptEmbeds:
-        """Encode prompts; ``with_uncond`` also encodes the empty prompt for CFG."""
+        """Encode prompts; ``with_uncond`` also encodes the empty prompt for CFG. Every part that
+        needs embeddings calls this, so that a run may put its own encoding in place of the
+        family's on the adapter object (``model.text_encoders``: offloaded encoders, an embedding
+        cache; :mod:`diffalign.training.text_encoders`)."""
 
     @abstractmethod
     def predict(self, x: torch.Tensor, t: torch.Tensor, embeds: PromptEmbeds, guidance_scale: float = 1.0) -> torch.Tensor:

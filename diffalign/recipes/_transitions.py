@@ -65,6 +65,8 @@ class TransitionTrainer(Trainer):
     :meth:`update_transitions` from ``iteration``.
     """
 
+    supports_sample_offload = True  # update_transitions moves each micro-batch to the device
+
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
         self.algo = cfg.algorithm
@@ -75,6 +77,7 @@ class TransitionTrainer(Trainer):
         cfg, algo = self.cfg, self.algo
         g = cfg.sampling.guidance_scale
         dev = self.device
+        tr, embeds = self.stash_samples(tr, embeds)  # CPU memory until a micro-batch uses them (rollout.offload_samples)
         stats = {"loss": [], "policy_loss": [], "kl": [], "clip_frac": [], "approx_kl": [], "ratio_mean": [], "grad_norm": []}
         steps_applied = 0
         k = tr.k
@@ -97,7 +100,7 @@ class TransitionTrainer(Trainer):
                     x = tr.states[rows].to(dev)
                     t = tr.t[rows].to(dev)
                     t_next = tr.t_next[rows].to(dev)
-                    emb = embeds.select(tr.embed_rows[rows].to(next(iter(embeds.cond.values())).device))
+                    emb = self.to_device(embeds.select(tr.embed_rows[rows].to(next(iter(embeds.cond.values())).device)))
                     with self.autocast():
                         out = self.adapter.predict(x, t, emb, g)
                     # one forward, k candidates: repeat the state's output for each next state
@@ -121,7 +124,7 @@ class TransitionTrainer(Trainer):
                         bad = True
                 for _ in range(group.forwards - len(group.micro)):  # FSDP padding: this process's first state
                     rows = torch.zeros(1, dtype=torch.long)
-                    emb = embeds.select(tr.embed_rows[rows].to(next(iter(embeds.cond.values())).device))
+                    emb = self.to_device(embeds.select(tr.embed_rows[rows].to(next(iter(embeds.cond.values())).device)))
                     self.idle_forward(tr.states[rows].to(dev), tr.t[rows].to(dev), emb, g, reference=algo.beta > 0)
                 _, applied = self.close_step(bad, stats)  # a poisoned step is dropped and counted
                 steps_applied += int(applied)

@@ -36,6 +36,7 @@ from diffalign.prompts import PromptSampler
 from diffalign.recipes import register_recipe
 from diffalign.sampling.linear import SampleSpec
 from diffalign.trainer import Trainer
+from diffalign.training.text_encoders import run_prompt_set
 
 GENERATED_PAIRS_DIR = "pairs"  # under the run directory
 
@@ -80,6 +81,7 @@ class DiffusionDPOTrainer(Trainer):
         if algo.pairs:  # read and check the file before the run directory is touched
             file_pairs = read_pairs(algo.pairs, resolution=self.cfg.model.resolution or None, limit=algo.pairs_limit)
             _check_has_winners(file_pairs)
+        self._file_pair_prompts = list(file_pairs.prompts) if file_pairs is not None else []
         super().setup()
         if file_pairs is not None:
             pairs = file_pairs
@@ -100,6 +102,11 @@ class DiffusionDPOTrainer(Trainer):
         ties = len(pairs) - len(strict) + int((self.generation or {}).get("ties", 0))
         self.log(f"  diffusion-dpo: {len(strict)} pairs with a winner ({ties} ties dropped)"
                  + (f"; generated {self.generation}" if self.generation else ""))
+
+    def encoded_prompts(self) -> list[str]:
+        """The run's prompts and a pair file's (``model.text_encoders: cache``); generated pairs
+        have the training prompts."""
+        return run_prompt_set([super().encoded_prompts(), self._file_pair_prompts])
 
     def _generated_pairs(self) -> PairSet:
         folder = self.run_dir / GENERATED_PAIRS_DIR

@@ -141,6 +141,8 @@ def sample_and_score(trainer: Trainer, embeds: PromptEmbeds, seeds: torch.Tensor
 
 
 class DiffusionNFTTrainer(Trainer):
+    supports_sample_offload = True  # matching_update moves each micro-batch to the device
+
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
         self.algo: DiffusionNFTConfig = self.nft_config()
@@ -289,6 +291,7 @@ class DiffusionNFTTrainer(Trainer):
         scored by ``batch_loss(x0, eps, t, x_t, embeds, advantages) -> result`` (``per_sample`` and
         the ``keys`` statistics); ``train.optimizer_steps_per_iteration`` optimizer steps."""
         cfg, dev = self.cfg, self.device
+        samples, = self.stash_samples(samples)  # CPU memory until a micro-batch uses them (rollout.offload_samples)
         schedule = self.adapter.make_schedule(cfg.sampling.num_steps, self.resolution, self.resolution)
         latent = tuple(samples.x0.shape[1:])
         n_global, first_local, n_local = samples.n_global, int(samples.sample_ids[0]), len(samples.sample_ids)
@@ -313,7 +316,7 @@ class DiffusionNFTTrainer(Trainer):
                     eps = eps.to(dev)
                     tb = t.reshape(-1, *([1] * len(latent)))
                     x_t = (1 - tb) * x0 + tb * eps  # fresh noise on the forward process
-                    emb = samples.embeds.select(rows.to(samples.embeds.cond[next(iter(samples.embeds.cond))].device))
+                    emb = self.to_device(samples.embeds.select(rows.to(samples.embeds.cond[next(iter(samples.embeds.cond))].device)))
                     res = batch_loss(x0, eps, t, x_t, emb, advantages[grows].to(dev))
                     if not self.accumulate(res.per_sample.sum() / group.global_terms):
                         bad = True

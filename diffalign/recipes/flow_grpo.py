@@ -54,6 +54,7 @@ class FlowGRPOConfig(GroupAdvantageOptions, ClippedPolicyOptions, AlgorithmConfi
 class FlowGRPOTrainer(Trainer):
     supports_fsdp = True
     supports_context_parallel = True  # group rollouts from plan_group_rollout, rewards from gathered_group_advantages
+    supports_sample_offload = True
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -87,6 +88,7 @@ class FlowGRPOTrainer(Trainer):
         algo = self.algo
         t0 = time.perf_counter()
         traj, embeds, sample_ids, n_global, rewards, info = self.rollout(iteration)
+        traj, embeds = self.stash_samples(traj, embeds)  # CPU memory until the update (rollout.offload_samples)
         t_rollout = time.perf_counter() - t0
         adv, record = gathered_group_advantages(self, rewards, n_global, iteration, std_mode=algo.advantage_std,
                                                 unbiased=algo.advantage_unbiased_std, eps=algo.advantage_eps, clip=algo.advantage_clip,
@@ -141,7 +143,7 @@ class FlowGRPOTrainer(Trainer):
                     x_next = traj.latents[rows, steps + 1].to(dev)
                     t = traj.timesteps[steps].to(dev)
                     t_next = traj.timesteps[steps + 1].to(dev)
-                    emb = embeds.select(rows.to(embeds.cond[next(iter(embeds.cond))].device))
+                    emb = self.to_device(embeds.select(rows.to(embeds.cond[next(iter(embeds.cond))].device)))
                     with self.autocast():
                         out = self.adapter.predict(x, t, emb, g)
                     step = self.kernel.step(out, x, t, t_next, sde=True, prev_sample=x_next)
@@ -172,7 +174,7 @@ class FlowGRPOTrainer(Trainer):
         """FSDP padding: a zero-loss forward on this process's first sample at its first SDE step."""
         rows = torch.zeros(1, dtype=torch.long)
         step = int(torch.nonzero(traj.sde_mask).flatten()[0])
-        emb = embeds.select(rows.to(embeds.cond[next(iter(embeds.cond))].device))
+        emb = self.to_device(embeds.select(rows.to(embeds.cond[next(iter(embeds.cond))].device)))
         self.idle_forward(traj.latents[rows, step].to(self.device), traj.timesteps[step].to(self.device), emb, g,
                           reference=self.algo.beta > 0)
 
