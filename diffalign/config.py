@@ -467,6 +467,12 @@ class AlgorithmConfig:
         refuses a ``reward.name`` that does not declare ``differentiable = True``."""
         return False
 
+    def reward_aggregation(self) -> str:
+        """How the advantages combine the components of a weighted reward: ``"sum"`` (of the
+        weighted rewards, one reward to the method) or ``"gdpo"`` (the trainer hands the method
+        each component's reward, :func:`diffalign.algorithms.flow_grpo.gdpo_advantages`)."""
+        return "sum"
+
 
 def method_defaults(**values):
     """Class decorator under ``@dataclass``: a method's own defaults for fields a shared mixin
@@ -490,6 +496,7 @@ def method_defaults(**values):
 # torch.std's unbiased std, eps 1e-8).
 POINTWISE_ADVANTAGES = {"advantage_std": "global", "advantage_unbiased_std": False, "advantage_eps": 1e-4}
 GROUPWISE_ADVANTAGES = {"advantage_std": "group", "advantage_unbiased_std": True, "advantage_eps": 1e-8}
+ADVANTAGE_AGGREGATIONS = ("sum", "gdpo")  # algorithm.advantage_aggregation of the group-advantage methods
 
 
 @dataclass
@@ -518,6 +525,18 @@ class GroupAdvantageOptions(AdvantageOptions):
 
     advantage_std: Optional[Literal["global", "group"]] = None  # std over the whole batch or per prompt group; None: global (Flow-GRPO), group for a pairwise reward (Pref-GRPO)
     advantage_unbiased_std: Optional[bool] = None  # Bessel's std (N - 1) or the population std (N); None: population, unbiased for a pairwise reward
+    # several weighted rewards (reward.name: weighted): "sum" normalises their weighted sum within
+    # each group; "gdpo" normalises each reward within its group, sums the weighted results and
+    # normalises that over the batch (GDPO, docs/gdpo.md; ignores advantage_std: per group by definition)
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        check(self.advantage_aggregation in ADVANTAGE_AGGREGATIONS, f"{prefix}.advantage_aggregation",
+              f"must be one of {', '.join(ADVANTAGE_AGGREGATIONS)}")
+        super().validate(prefix)
+
+    def reward_aggregation(self) -> str:
+        return self.advantage_aggregation
 
     def apply_reward_defaults(self, groupwise: bool) -> None:
         """Fill the keys left unset with the reference values for this kind of reward; a key set in

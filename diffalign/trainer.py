@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 import reward_models
+from reward_models.combine import WeightedSum
 from diffalign import distributed, progress, recipes, runs
 from diffalign.adapters import load_adapter
 from diffalign.adapters.base import DTYPES, ModelAdapter
@@ -88,6 +89,7 @@ class Trainer:
         self.stats: dict = {"nonfinite_rewards": 0, "nonfinite_losses": 0, "skipped_steps": 0}
         self.start_iteration = 0
         self.reward_pool: Optional[RewardPool] = None
+        self.reward_weights: Optional[torch.Tensor] = None  # (K,) the weighted reward's weights under GDPO (setup)
         self.self_check_log_ratio: Optional[float] = None  # max |log ratio| of the on-policy self-check
         self._saved_iteration: Optional[int] = None  # the iteration of the last checkpoint written (or resumed from)
         self._updated_in_iteration = False  # an optimizer step was taken in this iteration (guarded_iteration)
@@ -111,6 +113,7 @@ class Trainer:
             raise ConfigError(f"config key 'reward.name': reward {cfg.reward.name!r} compares the images of a prompt group, "
                               f"which algorithm {cfg.algorithm.name!r} does not hand to its reward (docs/rewards.md#pairwise-preference-rewards)")
         cfg.algorithm.apply_reward_defaults(reward_models.is_groupwise(self.reward_fn))  # e.g. Pref-GRPO's advantages
+        self.reward_weights = self._reward_weights()  # (K,) with advantage_aggregation gdpo, else None
         if cfg.algorithm.needs_differentiable_reward() and not reward_models.is_differentiable(self.reward_fn):
             raise ConfigError(f"config key 'reward.name': {cfg.reward.name!r} is not differentiable (it does not declare "
                               f"differentiable = True), and {cfg.algorithm.name} trains through the reward's gradient")
@@ -149,7 +152,8 @@ class Trainer:
         if cfg.train.guard.verifier:
             verifier = reward_models.build(cfg.train.guard.verifier, device=str(self.device), **cfg.train.guard.verifier_kwargs)
             self.guard = RewardGuard(cfg.train.guard, verifier, self.learned_reward_key)
-        self.reward_pool = RewardPool(self.score, asynchronous=cfg.reward.async_, reward_name=cfg.reward.name,
+        score = self.score if self.reward_weights is None else self.score_components  # GDPO: each component's reward
+        self.reward_pool = RewardPool(score, asynchronous=cfg.reward.async_, reward_name=cfg.reward.name,
                                       nonfinite=cfg.reward.nonfinite, stats=self.stats,
                                       groupwise=reward_models.is_groupwise(self.reward_fn))
         self._setup_trainable()
@@ -267,6 +271,23 @@ class Trainer:
         value = self.call_reward(images, prompts, metadata)
         rewards = reward_models.check_reward_output(self.cfg.reward.name, value, len(prompts))
         return rewards, dict(getattr(self.reward_fn, "last_info", None) or {})
+
+    def _reward_weights(self) -> torch.Tensor | None:
+        """The weights of the reward's components when the method normalises each on its own
+        (``algorithm.advantage_aggregation: gdpo``), else None."""
+        if self.cfg.algorithm.reward_aggregation() != "gdpo":
+            return None
+        if not isinstance(self.reward_fn, WeightedSum) or len(self.reward_fn.components) < 2:
+            raise ConfigError("config key 'algorithm.advantage_aggregation': gdpo normalises each reward of a weighted sum "
+                              "on its own and needs reward.name: weighted with at least two components (docs/gdpo.md)")
+        return self.reward_fn.weights
+
+    def score_components(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None
+                         ) -> tuple[torch.Tensor, dict]:
+        """:meth:`score` for GDPO's advantages: (the unweighted component rewards (B, K), info);
+        their weighted sum is ``components @ reward_weights``."""
+        _, info = self.score(images, prompts, metadata)
+        return self.reward_fn.last_components.detach().float().cpu(), info
 
     def score_async(self, images: torch.Tensor, prompts: list[str], groups: torch.Tensor | None = None,
                     group_size: int | None = None):

@@ -15,7 +15,9 @@ call ``last_info`` holds ``"reward/<label>"``: the component's batch mean (unwei
 of the component's own ``last_info`` entries as ``"reward/<label>/<key>"``. ``label`` defaults
 to the component's name and must be unique. On videos ``(B, F, 3, H, W)`` every component is
 called through :func:`~reward_models.base.call_reward`: image rewards give their mean over
-frames, video rewards (``temporal_consistency``) see the whole videos.
+frames, video rewards (``temporal_consistency``) see the whole videos. ``last_components`` holds
+the last call's unweighted component rewards ``(B, K)`` (GDPO's advantages normalise each one
+within its group: ``algorithm.advantage_aggregation: gdpo``, docs/gdpo.md).
 """
 
 from __future__ import annotations
@@ -71,18 +73,27 @@ class WeightedSum:
         self.components = list(components)
         self.groupwise = any(is_groupwise(c.reward) for c in self.components)  # a pairwise component needs whole groups
         self.last_info: dict[str, float] = {}
+        self.last_components: torch.Tensor | None = None  # (B, K) unweighted component rewards of the last call
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """(K,) the components' weights ``w_i``, in order."""
+        return torch.tensor([c.weight for c in self.components], dtype=torch.float32)
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
         batch_size = images.shape[0]
         total = torch.zeros(batch_size, dtype=torch.float32)
+        values = []
         info: dict[str, float] = {}
         for component in self.components:
             value = check_reward_output(component.name, call_reward(component.reward, images, prompts, metadata), batch_size)
             total += component.weight * value
+            values.append(value.float())
             info[f"reward/{component.label}"] = value.mean().item() if batch_size else math.nan
             for key, extra in (getattr(component.reward, "last_info", None) or {}).items():
                 info[f"reward/{component.label}/{key}"] = extra
         self.last_info = info
+        self.last_components = torch.stack(values, dim=1)  # read by algorithm.advantage_aggregation: gdpo
         return total
 
 

@@ -75,6 +75,61 @@ def group_advantages(
     return Advantages(adv, keep, zero_std / max(len(groups), 1))
 
 
+def gdpo_advantages(
+    rewards: torch.Tensor,
+    weights: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    unbiased: bool = False,
+    eps: float = 1e-4,
+    clip: float = 5.0,
+    filter_zero_std: bool = True,
+    zero_std_tol: float = 1e-6,
+) -> Advantages:
+    """GDPO's advantages of K weighted rewards (Liu et al., "GDPO: Group reward-Decoupled
+    Normalization Policy Optimization for Multi-reward RL Optimization", arXiv:2601.05242):
+
+        A_k   = (r_k - mean_group(r_k)) / (std_group(r_k) + eps)      each reward within its group
+        A_sum = sum_k w_k A_k                                          the weighted normalised rewards
+        A     = clip((A_sum - mean_batch) / (std_batch + eps), +-clip)  then over the whole batch
+
+    Summing first and normalising the sum (``group_advantages`` of ``r @ w``) lets the reward with
+    the largest spread decide the sign of every advantage; normalising each reward first gives each
+    its weight's share of the signal whatever its scale.
+
+    Args:
+        rewards: (N, K) unweighted component rewards; a row with a non-finite entry is excluded
+            from every statistic and gets A = 0.
+        weights: (K,) the components' weights ``w_k``.
+        group_ids: (N,) integer id of each sample's prompt group.
+        unbiased: Bessel's std in both normalisations instead of the population std.
+        filter_zero_std: mark the samples of groups in which every component is constant as not kept.
+    """
+    rewards = rewards.float()
+    if rewards.ndim != 2 or weights.shape != (rewards.shape[1],):
+        raise ValueError(f"rewards must be (N, K) and weights (K,), got {tuple(rewards.shape)} and {tuple(weights.shape)}")
+    finite = torch.isfinite(rewards).all(dim=1)
+    masked = torch.where(finite[:, None], rewards, torch.full_like(rewards, float("nan")))
+    total = torch.zeros(rewards.shape[0])
+    varies = torch.zeros(rewards.shape[0], dtype=torch.bool)  # some component varies within the sample's group
+    for k in range(rewards.shape[1]):
+        # each component normalised within its group (std per group), unclipped; keep = the group varies in r_k
+        part = group_advantages(masked[:, k], group_ids, std_mode="group", unbiased=unbiased, eps=eps, clip=float("inf"),
+                                filter_zero_std=True, zero_std_tol=zero_std_tol)
+        total += float(weights[k]) * part.advantages
+        varies |= part.keep
+    adv = torch.zeros_like(total)
+    if finite.sum() > 1:
+        batch = total[finite]
+        adv[finite] = (batch - batch.mean()) / (batch.std(unbiased=unbiased) + eps)
+    keep = finite & varies if filter_zero_std else finite.clone()
+    adv = adv.clamp(-clip, clip)
+    adv[~keep] = 0.0
+    groups = torch.unique(group_ids)
+    zero_std = sum(1 for g in groups if not bool(varies[(group_ids == g) & finite].any()) and bool(((group_ids == g) & finite).any()))
+    return Advantages(adv, keep, zero_std / max(len(groups), 1))
+
+
 @dataclass
 class PPOLossOutput:
     """One micro-batch: ``loss`` (with grad) = ``policy_loss + beta * kl``, the mean of

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from diffalign.algorithms.flow_grpo import group_advantages
+from diffalign.algorithms.flow_grpo import gdpo_advantages, group_advantages
 from diffalign.distributed import one_per_context_group
 from diffalign.sampling import sample_linear, sde_window_mask
 
@@ -111,13 +111,20 @@ def reward_summary(rewards: torch.Tensor) -> dict[str, float]:
 def gathered_group_advantages(trainer, rewards: torch.Tensor, n_global: int, iteration: int, *, std_mode: str,
                               eps: float, clip: float, filter_zero_std: bool, unbiased: bool = False):
     """Check this process's rewards, gather every process's (sample order), and compute the group
-    advantages of :func:`diffalign.algorithms.flow_grpo.group_advantages`. Returns the advantages
+    advantages of :func:`diffalign.algorithms.flow_grpo.group_advantages` (with
+    ``trainer.reward_weights`` set, ``rewards`` are (n, K) components and the advantages GDPO's,
+    :func:`~diffalign.algorithms.flow_grpo.gdpo_advantages`). Returns the advantages
     and the iteration's reward and advantage statistics."""
     rewards = trainer.check_rewards(rewards, iteration)
     all_rewards = trainer.accelerator.gather(rewards.to(trainer.device)).cpu()
-    all_rewards = one_per_context_group(all_rewards, trainer.layout)  # (n_global,) in sample order
+    all_rewards = one_per_context_group(all_rewards, trainer.layout)  # (n_global,) or (n_global, K) in sample order
     group_ids = torch.arange(n_global) // trainer.cfg.rollout.group_size
-    adv = group_advantages(all_rewards, group_ids, std_mode=std_mode, unbiased=unbiased, eps=eps, clip=clip,
-                           filter_zero_std=filter_zero_std)
+    if trainer.reward_weights is not None:  # GDPO: (n_global, K) component rewards, each normalised in its group
+        adv = gdpo_advantages(all_rewards, trainer.reward_weights, group_ids, unbiased=unbiased, eps=eps, clip=clip,
+                              filter_zero_std=filter_zero_std)
+        all_rewards = all_rewards @ trainer.reward_weights  # the weighted reward, for the statistics
+    else:
+        adv = group_advantages(all_rewards, group_ids, std_mode=std_mode, unbiased=unbiased, eps=eps, clip=clip,
+                               filter_zero_std=filter_zero_std)
     return adv, {**reward_summary(all_rewards), "advantage_abs_mean": float(adv.advantages.abs().mean()),
                  "zero_std_frac": adv.zero_std_fraction, "kept_frac": float(adv.keep.float().mean())}
