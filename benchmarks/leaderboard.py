@@ -185,6 +185,7 @@ METHODS: dict[str, Method] = {
     # MixGRPO's window: the same 4 SDE steps, sliding one step per iteration
     "flow_grpo_mix": Method("configs/shapes/flow_grpo.yaml", ("sampling.window_mode=sliding", "sampling.window_slide_every=1")),
     "grpo_guard": Method("configs/shapes/flow_grpo.yaml", GUARD),  # docs/grpo_guard.md
+    "flow_dppo": Method("configs/shapes/flow_grpo_dppo.yaml"),  # the KL trust-region mask, docs/flow_dppo.md
     "branch_grpo": Method("configs/shapes/branch_grpo.yaml"),
     # depth and width pruning together: the "branch_pruned" variant of branch_grpo_shapes.py
     "branch_grpo_pruned": Method("configs/shapes/branch_grpo.yaml", tuple(BRANCH_VARIANTS["branch_pruned"][1])),

@@ -168,7 +168,7 @@ def test_the_checker_sees_an_upward_import_and_a_cycle():
 # ---- one name per method ----------------------------------------------------------------------
 
 def camel(name: str) -> str:
-    special = {"grpo": "GRPO", "dpo": "DPO", "nft": "NFT", "drm": "DRM", "spo": "SPO", "awm": "AWM", "rl": "RL", "opd": "OPD"}
+    special = {"grpo": "GRPO", "dpo": "DPO", "nft": "NFT", "drm": "DRM", "spo": "SPO", "awm": "AWM", "rl": "RL", "opd": "OPD", "dgpo": "DGPO"}
     return "".join(special.get(part, part.capitalize()) for part in name.split("_"))
 
 

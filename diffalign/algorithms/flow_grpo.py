@@ -175,6 +175,48 @@ def ppo_clip_loss(
     return PPOLossOutput(loss, per_sample, policy_loss.detach(), kl_mean.detach(), clip_frac, approx_kl, ratio.detach().mean())
 
 
+def kl_mask_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    policy_kl: torch.Tensor,
+    *,
+    threshold: float,
+    kl: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> PPOLossOutput:
+    """Flow-DPPO's policy loss: the unclipped ratio loss with a KL trust-region mask in place of
+    PPO's clip (paper arXiv:2606.11025; verl-omni's ``FlowDPPOLoss``, UniRL's ``flowdppo.py``).
+
+    ``D = policy_kl`` (B,) is the KL of the old and the current Gaussian step,
+    ``mean((mu_theta - mu_old)^2) / (2 std^2)``; a term is masked (no gradient, 0 in the loss) when
+    it is outside the trust region *and* moving farther out along its advantage:
+
+        masked = D >= threshold and ((A > 0 and rho > 1) or (A < 0 and rho < 1))
+        loss   = mean(where(masked, 0, -A * rho)) + beta * mean(kl)
+
+    Updates that move back towards the old policy stay active whatever D. All inputs (B,), fp32;
+    ``clip_frac`` of the output is the masked fraction.
+    """
+    log_prob = log_prob.float()
+    advantages = advantages.float()
+    log_ratio = log_prob - old_log_prob.float()
+    ratio = torch.exp(log_ratio)
+    outside = policy_kl.detach().float() >= threshold
+    masked = outside & (((advantages > 0) & (ratio > 1)) | ((advantages < 0) & (ratio < 1)))
+    # where, not a product: an overflowed ratio that is masked must not give inf * 0 = nan
+    per_policy = torch.where(masked, torch.zeros_like(ratio), -advantages * ratio)
+    per_sample = per_policy + beta * kl.float() if (beta > 0 and kl is not None) else per_policy
+    kl_mean = kl.float().mean() if kl is not None else torch.zeros((), device=log_prob.device)
+    with torch.no_grad():
+        approx_kl = 0.5 * (log_ratio**2).mean()
+    return PPOLossOutput(per_sample.mean(), per_sample, per_policy.mean().detach(), kl_mean.detach(),
+                         masked.float().mean(), approx_kl, ratio.detach().mean())
+
+
+TRUST_REGIONS = ("clip", "kl_mask")  # algorithm.trust_region of Flow-GRPO
+
+
 def gaussian_mean_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """KL between two Gaussians with the same std: ``mean((mu - mu_ref)^2) / (2 std^2)`` per sample.
 

@@ -20,7 +20,7 @@ DEFAULT = "flow_grpo"  # algorithm.name when a config names none
 # the shipped methods: name -> the module that registers it (docs/<name>.md documents it)
 _MODULES: dict[str, str] = {name: f"diffalign.recipes.{name}" for name in (
     "flow_grpo", "diffusion_nft", "sol_rl", "stepwise_flow_grpo", "drm_step_grpo", "spo", "diffusion_dpo",
-    "branch_grpo", "awm", "drft", "raft", "opd")}
+    "branch_grpo", "awm", "drft", "raft", "opd", "dgpo")}
 _CONFIGS: dict[str, type] = {}
 _TRAINERS: dict[str, Callable] = {}
 

@@ -140,6 +140,32 @@ def sample_and_score(trainer: Trainer, embeds: PromptEmbeds, seeds: torch.Tensor
     return torch.cat(x0), torch.cat(images), rewards, reward_info(results)
 
 
+def seeded_group_rollout(trainer: Trainer, iteration: int, policy=None) -> SeededSamples:
+    """This process's share of an iteration's groups: ``rollout.group_size`` seeded ODE samples of
+    each of its prompts (``sampling.num_steps``, CFG ``sampling.guidance_scale``) under the context
+    ``policy`` (the adapter that samples; None: the current one), scored in prompt groups and
+    handed to ``train.guard``'s verifier (DiffusionNFT, AWM, DGPO)."""
+    cfg, s = trainer.cfg, trainer.cfg.sampling
+    group = cfg.rollout.group_size
+    all_prompts, seeds, mine = draw_prompts_and_seeds(trainer, group)
+    prompts = all_prompts[mine]
+    local_seeds = seeds[mine].flatten()
+    sample_prompts = [p for p in prompts for _ in range(group)]
+    n_local, n_global = len(sample_prompts), len(all_prompts) * group
+    first = mine.start * group
+    embeds = trainer.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
+    trainer.adapter.denoiser.eval()
+    t0 = time.perf_counter()
+    with policy or contextlib.nullcontext():
+        x0, images, rewards, info = sample_and_score(trainer, embeds, local_seeds, sample_prompts, num_steps=s.num_steps,
+                                                     guidance_scale=s.guidance_scale, batch_size=cfg.rollout.sample_batch_size,
+                                                     groups=torch.arange(first, first + n_local) // group)
+    trainer.guard_finals(images, sample_prompts, iteration)  # train.guard's verifier
+    info = trainer.gather_info(info)
+    info["time/rollout"] = time.perf_counter() - t0
+    return SeededSamples(x0, images, embeds, sample_prompts, local_seeds, torch.arange(first, first + n_local), n_global, rewards, info)
+
+
 class DiffusionNFTTrainer(Trainer):
     supports_sample_offload = True  # matching_update moves each micro-batch to the device
 
@@ -215,25 +241,7 @@ class DiffusionNFTTrainer(Trainer):
 
     # ---- rollout ----------------------------------------------------------------------------
     def rollout(self, iteration: int) -> SeededSamples:
-        cfg, s = self.cfg, self.cfg.sampling
-        group = cfg.rollout.group_size
-        all_prompts, seeds, mine = draw_prompts_and_seeds(self, group)
-        prompts = all_prompts[mine]
-        local_seeds = seeds[mine].flatten()
-        sample_prompts = [p for p in prompts for _ in range(group)]
-        n_local, n_global = len(sample_prompts), len(all_prompts) * group
-        first = mine.start * group
-        embeds = self.adapter.encode_prompts(prompts, with_uncond=s.guidance_scale > 1).repeat_interleave(group)
-        self.adapter.denoiser.eval()
-        t0 = time.perf_counter()
-        with self.sampling_policy():
-            x0, images, rewards, info = sample_and_score(self, embeds, local_seeds, sample_prompts, num_steps=s.num_steps,
-                                                         guidance_scale=s.guidance_scale, batch_size=cfg.rollout.sample_batch_size,
-                                                         groups=torch.arange(first, first + n_local) // group)
-        self.guard_finals(images, sample_prompts, iteration)  # train.guard's verifier
-        info = self.gather_info(info)
-        info["time/rollout"] = time.perf_counter() - t0
-        return SeededSamples(x0, images, embeds, sample_prompts, local_seeds, torch.arange(first, first + n_local), n_global, rewards, info)
+        return seeded_group_rollout(self, iteration, self.sampling_policy())
 
     # ---- one iteration ----------------------------------------------------------------------
     def iteration(self, iteration: int) -> dict:

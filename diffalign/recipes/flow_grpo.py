@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from diffalign.algorithms.flow_grpo import TRUST_REGIONS, gaussian_mean_kl
 from diffalign.config import AlgorithmConfig, ClippedPolicyOptions, GroupAdvantageOptions, check, fraction_of_steps, method_defaults
 from diffalign.errors import ConfigError
 from diffalign.recipes import register_recipe
@@ -39,10 +40,24 @@ class FlowGRPOConfig(GroupAdvantageOptions, ClippedPolicyOptions, AlgorithmConfi
     name: str = "flow_grpo"
     train_timestep_fraction: float = 0.99  # fraction of SDE steps trained per sample (0.99 of 10 -> 9)
     timestep_selection: Literal["first", "random"] = "first"  # which SDE steps: the first ones, or random per sample
+    # how the update stays near the rollout policy: "clip" = PPO's clipped ratio (clip_range);
+    # "kl_mask" = Flow-DPPO: the unclipped ratio, each step's gradient masked where the KL of its old
+    # and current Gaussian step reaches kl_mask_threshold and the step moves farther out (docs/flow_dppo.md)
+    trust_region: Literal["clip", "kl_mask"] = "clip"
+    kl_mask_threshold: float = 1.0e-5  # Flow-DPPO's epsilon_D: mean((mu - mu_old)^2) / (2 std^2) per latent element (verl-omni's default)
 
     def validate(self, prefix: str = "algorithm") -> None:
         check(0 < self.train_timestep_fraction <= 1, f"{prefix}.train_timestep_fraction", "must be in (0, 1]")
+        check(self.trust_region in TRUST_REGIONS, f"{prefix}.trust_region", f"must be one of {', '.join(TRUST_REGIONS)}")
+        check(self.kl_mask_threshold > 0, f"{prefix}.kl_mask_threshold", "must be > 0")
+        check(not (self.trust_region == "kl_mask" and self.guard_ratio_norm), f"{prefix}.trust_region",
+              "kl_mask needs the policy's own log-ratio; it cannot run with guard_ratio_norm (GRPO-Guard's normalised ratio)")
         super().validate(prefix)
+
+    def check_sampling(self, sampling, prefix: str = "algorithm") -> None:
+        check(not (self.trust_region == "kl_mask" and sampling.noise_pool != 1), f"{prefix}.trust_region",
+              "kl_mask recovers each old step's mean from the rollout's full-resolution step noise: sampling.noise_pool must be 1")
+        super().check_sampling(sampling, prefix)
 
     def trained_steps_per_sample(self, sde_steps: int) -> int:
         return fraction_of_steps(sde_steps, self.train_timestep_fraction)
@@ -80,7 +95,10 @@ class FlowGRPOTrainer(Trainer):
         rewards = torch.cat([r for r, _ in results])
         info = self.gather_info(reward_info(results))  # per-batch means, then over processes
         sample_ids = torch.arange(plan.first, plan.first + plan.n_local)
-        self._guard_noise = plan.step_noise if getattr(self.algo, "guard_ratio_norm", False) else None  # GRPO-Guard's analytic norm
+        # the rollout's step noise, kept where an update needs each old step's mean (x' - std eps):
+        # GRPO-Guard's analytic norm, Flow-DPPO's KL mask
+        keep_noise = getattr(self.algo, "guard_ratio_norm", False) or self.algo.trust_region == "kl_mask"
+        self._step_noise = plan.step_noise if keep_noise else None
         return Trajectory.cat(trajs), plan.embeds, sample_ids, plan.n_global, rewards, info
 
     # ---- one iteration ----------------------------------------------------------------------
@@ -123,7 +141,7 @@ class FlowGRPOTrainer(Trainer):
         stats = {"loss": [], "policy_loss": [], "kl": [], "clip_frac": [], "approx_kl": [], "ratio_mean": [], "grad_norm": []}
         steps_applied = 0
         guard = make_guard(self, algo, traj.timesteps, torch.nonzero(traj.sde_mask).flatten(), reduction=algo.logprob_reduction,
-                           step_noise=getattr(self, "_guard_noise", None))  # GRPO-Guard (None when off)
+                           step_noise=getattr(self, "_step_noise", None) if algo.guard_ratio_norm else None)  # GRPO-Guard (None when off)
         self.adapter.denoiser.train()
         for _epoch in range(cfg.train.inner_epochs):
             # Global shuffle and step choice (same RNG use on every process), then our share.
@@ -155,9 +173,10 @@ class FlowGRPOTrainer(Trainer):
                         kl = reference_kl(self, x, t, emb, g, step, lambda ref_out: self.kernel.step(
                             ref_out, x, t, t_next, sde=True, prev_sample=x_next), step_times=(t, t_next))
                     logp, adv = step.log_prob, advantages[rows + first_local].to(dev)
+                    policy_kl = self.policy_kl(step, rows, steps, x_next) if algo.trust_region == "kl_mask" else None
                     if guard is not None:
                         logp, old_logp, adv = guard(step, old_logp, adv, steps, rows=rows, x_next=x_next)
-                    if not accumulate_clipped(self, logp, old_logp, adv, kl, algo, group.global_terms, stats):
+                    if not accumulate_clipped(self, logp, old_logp, adv, kl, algo, group.global_terms, stats, policy_kl=policy_kl):
                         bad = True
                 for _ in range(group.forwards - len(group.micro)):  # FSDP: the same forwards everywhere
                     self._idle_forward(traj, embeds, g)
@@ -169,6 +188,14 @@ class FlowGRPOTrainer(Trainer):
         if guard is not None:
             out.update(guard.metrics())
         return out
+
+    def policy_kl(self, step, rows: torch.Tensor, steps: torch.Tensor, x_next: torch.Tensor) -> torch.Tensor:
+        """(B,) KL of each rollout step and its re-scored step, ``mean((mu - mu_old)^2) / (2 std^2)``
+        (Flow-DPPO's D): the old mean is the rollout's state less its noise, ``x' - std eps``."""
+        std = step.std.float()
+        eps = self._step_noise[rows.cpu(), steps.cpu()].to(x_next.device).float()
+        old_mean = x_next.float() - std * eps
+        return gaussian_mean_kl(step.mean.detach(), old_mean, std)
 
     def _idle_forward(self, traj: Trajectory, embeds, g: float) -> None:
         """FSDP padding: a zero-loss forward on this process's first sample at its first SDE step."""

@@ -104,6 +104,11 @@ class SolRLConfig(AlgorithmConfig):
         self.quant.validate(f"{prefix}.quant")
         self.diffusion_nft.validate(f"{prefix}.diffusion_nft")
         self.flow_grpo.validate(f"{prefix}.flow_grpo")
+        for name in ("diffusion_nft", "flow_grpo"):  # stage 1 ranks its pool on the one (weighted) reward
+            check(getattr(self, name).advantage_aggregation == "sum", f"{prefix}.{name}.advantage_aggregation",
+                  "must be sum under Sol-RL (its stage 1 ranks the pool on the weighted reward; gdpo is not supported)")
+        check(self.flow_grpo.trust_region == "clip", f"{prefix}.flow_grpo.trust_region",
+              "must be clip under Sol-RL (its stage-2 SDE noise comes from the seeds, which kl_mask does not keep)")
         super().validate(prefix)
 
 
