@@ -197,6 +197,7 @@ METHODS: dict[str, Method] = {
     "diffusion_dpo": Method("configs/shapes/diffusion_dpo.yaml", setup_is_preparation=True, nfe=offline_nfe),
     "diffusion_nft": Method("configs/shapes/diffusion_nft.yaml"),
     "awm": Method("configs/shapes/awm.yaml"),
+    "dgpo": Method("configs/shapes/dgpo.yaml"),  # one ODE chain per image, no SDE
     "sol_rl": Method("configs/shapes/sol_rl.yaml", nfe=sol_rl_nfe),
     "raft": Method("configs/shapes/raft.yaml"),  # one ODE chain per image; the best 2 of 8 are trained on
 }

@@ -91,10 +91,7 @@ class DGPOTrainer(Trainer):
         algo = self.algo
         samples = seeded_group_rollout(self, iteration)  # the current policy's ODE samples
         t_update = time.perf_counter()
-        adv, record = gathered_group_advantages(self, samples.rewards, samples.n_global, iteration,
-                                                std_mode=algo.advantage_std, unbiased=algo.advantage_unbiased_std,
-                                                eps=algo.advantage_eps, clip=algo.advantage_clip,
-                                                filter_zero_std=algo.filter_zero_std_groups)
+        adv, record = gathered_group_advantages(self, samples.rewards, samples.n_global, iteration, algo)
         record.update(samples.info)
         record.update(self.update(samples, adv.advantages, adv.keep))
         record["time/update"] = time.perf_counter() - t_update

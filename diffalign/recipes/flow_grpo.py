@@ -108,9 +108,7 @@ class FlowGRPOTrainer(Trainer):
         traj, embeds, sample_ids, n_global, rewards, info = self.rollout(iteration)
         traj, embeds = self.stash_samples(traj, embeds)  # CPU memory until the update (rollout.offload_samples)
         t_rollout = time.perf_counter() - t0
-        adv, record = gathered_group_advantages(self, rewards, n_global, iteration, std_mode=algo.advantage_std,
-                                                unbiased=algo.advantage_unbiased_std, eps=algo.advantage_eps, clip=algo.advantage_clip,
-                                                filter_zero_std=algo.filter_zero_std_groups)
+        adv, record = gathered_group_advantages(self, rewards, n_global, iteration, algo)
         record.update(info)
         t0 = time.perf_counter()
         record.update(self.update(traj, embeds, sample_ids, n_global, adv.advantages, adv.keep))

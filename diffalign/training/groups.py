@@ -108,13 +108,15 @@ def reward_summary(rewards: torch.Tensor) -> dict[str, float]:
             "reward_std": float(rewards[finite].std(unbiased=False)) if finite.sum() > 1 else 0.0}
 
 
-def gathered_group_advantages(trainer, rewards: torch.Tensor, n_global: int, iteration: int, *, std_mode: str,
-                              eps: float, clip: float, filter_zero_std: bool, unbiased: bool = False):
+def gathered_group_advantages(trainer, rewards: torch.Tensor, n_global: int, iteration: int, opts):
     """Check this process's rewards, gather every process's (sample order), and compute the group
     advantages of :func:`diffalign.algorithms.flow_grpo.group_advantages` (with
     ``trainer.reward_weights`` set, ``rewards`` are (n, K) components and the advantages GDPO's,
-    :func:`~diffalign.algorithms.flow_grpo.gdpo_advantages`). Returns the advantages
+    :func:`~diffalign.algorithms.flow_grpo.gdpo_advantages`). ``opts``: the method's
+    :class:`~diffalign.config.GroupAdvantageOptions` (``advantage_*``, ``filter_zero_std_groups``). Returns the advantages
     and the iteration's reward and advantage statistics."""
+    std_mode, unbiased, eps, clip = opts.advantage_std, opts.advantage_unbiased_std, opts.advantage_eps, opts.advantage_clip
+    filter_zero_std = opts.filter_zero_std_groups
     rewards = trainer.check_rewards(rewards, iteration)
     all_rewards = trainer.accelerator.gather(rewards.to(trainer.device)).cpu()
     all_rewards = one_per_context_group(all_rewards, trainer.layout)  # (n_global,) or (n_global, K) in sample order
