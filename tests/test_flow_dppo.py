@@ -93,3 +93,5 @@ def test_bad_kl_mask_settings(tmp_path):
         load_config(ROOT / CONFIG, ["algorithm.trust_region=kl_mask", "algorithm.guard_ratio_norm=true"])
     with pytest.raises(ConfigError, match="noise_pool"):
         load_config(ROOT / CONFIG, ["algorithm.trust_region=kl_mask", "sampling.noise_pool=2"])
+    with pytest.raises(ConfigError, match="algorithm.flow_grpo.trust_region"):  # Sol-RL's seeded stage 2 keeps no step noise
+        load_config(ROOT / "configs/tiny/sol_rl_sd3.yaml", ["algorithm.optimizer=flow_grpo", "algorithm.flow_grpo.trust_region=kl_mask"])

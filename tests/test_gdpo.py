@@ -91,3 +91,5 @@ def test_gdpo_needs_a_weighted_reward(tmp_path):
     with pytest.raises(ConfigError, match="advantage_aggregation"):
         build_trainer(cfg).setup()
     assert run_cli("train", CONFIG, f"output_dir={tmp_path / 'bad'}", "algorithm.advantage_aggregation=mean", *FAST) == 2
+    with pytest.raises(ConfigError, match="algorithm.diffusion_nft.advantage_aggregation"):  # Sol-RL ranks on one reward
+        load_config(ROOT / "configs/tiny/sol_rl_sd3.yaml", ["algorithm.diffusion_nft.advantage_aggregation=gdpo"])
