@@ -165,14 +165,22 @@ def ppo_clip_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     per_policy = torch.maximum(unclipped, clipped)
-    per_sample = per_policy + beta * kl.float() if (beta > 0 and kl is not None) else per_policy
-    policy_loss = per_policy.mean()
-    kl_mean = kl.float().mean() if kl is not None else torch.zeros((), device=log_prob.device)
-    loss = per_sample.mean()
     with torch.no_grad():
         clip_frac = ((ratio - 1.0).abs() > clip_range).float().mean()
+    return _policy_loss_output(per_policy, log_ratio, kl, beta, clip_frac)
+
+
+def _policy_loss_output(per_policy: torch.Tensor, log_ratio: torch.Tensor, kl: torch.Tensor | None, beta: float,
+                        clip_frac: torch.Tensor) -> PPOLossOutput:
+    """The output of a ratio loss with per-sample policy terms ``per_policy`` (B,): plus ``beta`` x
+    ``kl``, and the monitors (``clip_frac`` the fraction the trust region stopped)."""
+    per_sample = per_policy + beta * kl.float() if (beta > 0 and kl is not None) else per_policy
+    kl_mean = kl.float().mean() if kl is not None else torch.zeros((), device=per_policy.device)
+    with torch.no_grad():
         approx_kl = 0.5 * (log_ratio**2).mean()
-    return PPOLossOutput(loss, per_sample, policy_loss.detach(), kl_mean.detach(), clip_frac, approx_kl, ratio.detach().mean())
+        ratio_mean = torch.exp(log_ratio).mean()
+    return PPOLossOutput(per_sample.mean(), per_sample, per_policy.mean().detach(), kl_mean.detach(), clip_frac, approx_kl,
+                         ratio_mean)
 
 
 def kl_mask_loss(
@@ -206,12 +214,7 @@ def kl_mask_loss(
     masked = outside & (((advantages > 0) & (ratio > 1)) | ((advantages < 0) & (ratio < 1)))
     # where, not a product: an overflowed ratio that is masked must not give inf * 0 = nan
     per_policy = torch.where(masked, torch.zeros_like(ratio), -advantages * ratio)
-    per_sample = per_policy + beta * kl.float() if (beta > 0 and kl is not None) else per_policy
-    kl_mean = kl.float().mean() if kl is not None else torch.zeros((), device=log_prob.device)
-    with torch.no_grad():
-        approx_kl = 0.5 * (log_ratio**2).mean()
-    return PPOLossOutput(per_sample.mean(), per_sample, per_policy.mean().detach(), kl_mean.detach(),
-                         masked.float().mean(), approx_kl, ratio.detach().mean())
+    return _policy_loss_output(per_policy, log_ratio, kl, beta, masked.float().mean())
 
 
 TRUST_REGIONS = ("clip", "kl_mask")  # algorithm.trust_region of Flow-GRPO
