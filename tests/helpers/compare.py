@@ -39,6 +39,7 @@ OTHER_ALGORITHMS = {
     "branch_grpo": ("configs/tiny/branch_grpo_sd3.yaml", ["optim.lr=20", "train.batch_size=64"], *SPLIT_PROMPTS),
     "diffusion_nft": ("configs/tiny/diffusion_nft_sd3.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
     "awm": ("configs/tiny/awm.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
+    "dgpo": ("configs/tiny/dgpo_sd3.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
     "raft": ("configs/tiny/raft_sd3.yaml", ["optim.lr=2", "train.batch_size=64"], *SPLIT_PROMPTS),
     "opd": ("configs/tiny/opd_sd3.yaml", ["optim.lr=20", "train.batch_size=64"], *SPLIT_PROMPTS),
     "flow_grpo_guard": ("configs/tiny/flow_grpo_guard.yaml", ["optim.lr=5", "train.batch_size=64"], *SPLIT_PROMPTS),
