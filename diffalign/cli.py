@@ -34,12 +34,65 @@ def _cmd_train(args) -> int:
     check_judges_trained(cfg, args.config)
     if args.allow_config_change and not args.resume:
         raise DiffalignError("--allow-config-change only applies with --resume")
+    if not args.no_plan_check:
+        _check_memory_plan(cfg)
     trainer = build_trainer(cfg, resume=args.resume, overwrite=args.overwrite, allow_config_change=args.allow_config_change)
     trainer.train()
     print(f"run directory: {cfg.output_dir}")
     report = Path(cfg.output_dir) / "report.md"
     if report.exists():
         print(f"report: {report}")
+    return 0
+
+
+def _check_memory_plan(cfg) -> None:
+    """On CUDA, stop before loading when the memory plan exceeds the free memory of this process's
+    GPU (docs/memory.md); a model the planner has no architecture for is trained unchecked."""
+    import torch
+
+    from diffalign.errors import ConfigError
+    from diffalign.planner import check_fits
+
+    if not torch.cuda.is_available():
+        return
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    free, _ = torch.cuda.mem_get_info(index)
+    try:
+        problem = check_fits(cfg, processes, {f"cuda:{index}": free})
+    except ConfigError as exc:
+        print(f"memory plan skipped: {exc}", file=sys.stderr)
+        return
+    if problem is not None:
+        raise DiffalignError(problem)
+
+
+def _cmd_plan(args) -> int:
+    from diffalign import shipped
+    from diffalign.config_files import load_config
+    from diffalign.planner import GB, Settings, fit_table, format_plan, plan
+
+    if args.gpus < 1 or (args.gpu_memory is not None and args.gpu_memory <= 0):
+        raise DiffalignError("--gpus must be >= 1 and --gpu-memory > 0")
+    if args.all:
+        if args.config is not None:
+            raise DiffalignError("`diffalign plan --all` takes no RECIPE")
+        names = [r.name for r in shipped.available() if r.name.split("/")[0] not in NON_GPU_RECIPE_FOLDERS]
+    elif args.config is None:
+        raise DiffalignError("`diffalign plan` needs a RECIPE (or --all)")
+    else:
+        names = [args.config]
+    for i, name in enumerate(names):
+        cfg = load_config(name, args.overrides)
+        settings = Settings.from_config(cfg, args.gpus)
+        if i:
+            print()
+        if args.table:
+            print(f"{name}: smallest GPU each combination fits (peak per GPU)")
+            for label, peak, fit in fit_table(settings):
+                print(f"  {label:<58} {peak:7.1f} GB  {fit}")
+        else:
+            print(format_plan(plan(settings), args.gpu_memory, name=name))
     return 0
 
 
@@ -403,6 +456,7 @@ def _config_command(sub, name: str, help: str, fn, *, config_help: str | None = 
     return p
 
 
+NON_GPU_RECIPE_FOLDERS = ("tiny", "shapes", "accelerate")  # recipes `diffalign plan --all` skips: CPU models, launch files
 DEFAULT_EVAL_GUIDANCE = 4.0  # eval's CFG scale: the shipped model's reported one (not its best; see --best-scale)
 
 RUN_CONFIG_HELP = ("a YAML file, or a shipped recipe's name (shapes/flow_grpo: its path under configs/ without .yaml; "
@@ -422,6 +476,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its latest checkpoint")
     p.add_argument("--allow-config-change", action="store_true",
                    help="with --resume: accept another model, algorithm, LoRA shape or prompt set (logged in the run directory)")
+    p.add_argument("--no-plan-check", action="store_true",
+                   help="on CUDA, do not compare the memory plan with the GPU's free memory before loading")
+
+    p = _config_command(sub, "plan", "GPU memory per GPU of a recipe, counted before anything loads: "
+                        "diffalign plan RECIPE [key=value ...] [--gpus N] [--gpu-memory GB]", _cmd_plan,
+                        config_help=RUN_CONFIG_HELP, optional=True)
+    p.add_argument("--gpus", type=int, default=1, help="processes (one GPU each); ZeRO and FSDP shard over them")
+    p.add_argument("--gpu-memory", type=float, default=None, help="GB per GPU: say whether the plan fits, else settings that do")
+    p.add_argument("--all", action="store_true", help="every shipped GPU recipe (all but tiny/, shapes/)")
+    p.add_argument("--table", action="store_true",
+                   help="the smallest GPU (24, 40, 48, 80 GB) each combination of settings fits")
 
     p = sub.add_parser("resume", help="continue a run directory: diffalign resume RUN_DIR [key=value ...]")
     p.add_argument("run_dir")

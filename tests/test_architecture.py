@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "diffalign.recipes")),  # the package init only: the registry of recipe names
     ("evaluation, reports and export", ("diffalign.evaluation", "diffalign.best_scale", "diffalign.report", "diffalign.hub", "diffalign.export",
                                         "diffalign.geneval")),
-    ("training parts", ("diffalign.training",)),
+    ("training parts", ("diffalign.training", "diffalign.planner")),
     ("the trainer", ("diffalign.trainer",)),
     ("methods: configs beside their recipes, judges' training", (
         "diffalign.recipes.", "diffalign.drm.train", "diffalign.drm.sampling", "diffalign.spm.train")),
