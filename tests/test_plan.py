@@ -165,3 +165,22 @@ def test_train_on_cpu_has_no_check(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=0: pytest.fail("no CUDA query on CPU"))
     cli._check_memory_plan(load_config(RECIPE, []))
+
+
+def test_plan_vs_cuda_skips_without_a_gpu(monkeypatch, capsys):
+    from tests.helpers.scripts import load_script
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bench = load_script("benchmarks/gpu/plan_vs_cuda.py", "plan_vs_cuda")
+    assert bench.main([]) == 0
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_measurement_script_finds_a_tiny_recipe_per_measured_family():
+    from diffalign.planner.memory import MEASURED_AS, activation_table
+    from tests.helpers.scripts import load_script
+
+    script = load_script("scripts/measure_activations.py", "measure_activations")
+    recipes = script.tiny_recipes()
+    assert set(activation_table()["families"]) == set(recipes)
+    assert not set(MEASURED_AS) & set(recipes)

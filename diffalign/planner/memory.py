@@ -51,7 +51,7 @@ class Settings:
     dtype: str
     resolution: int
     options: dict
-    reward: str
+    rewards: tuple  # reward names whose models sit on the GPU (shipped architectures only)
     lora: bool
     rank: int
     targets: tuple
@@ -89,7 +89,7 @@ class Settings:
         return cls(
             model_id=cfg.model.id, family=family, dtype=cfg.model.dtype,
             resolution=cfg.model.resolution or cls_.default_resolution, options=dict(cfg.model.options),
-            reward=cfg.reward.name, lora=cfg.lora.enabled, rank=cfg.lora.rank, targets=tuple(targets),
+            rewards=reward_models(cfg.reward.name, cfg.reward.kwargs), lora=cfg.lora.enabled, rank=cfg.lora.rank, targets=tuple(targets),
             checkpointing=cfg.train.gradient_checkpointing, batch_size=cfg.train.batch_size,
             sample_batch_size=cfg.rollout.sample_batch_size, cfg_rows=2 if cfg.sampling.guidance_scale > 1 else 1,
             samples_per_iteration=cfg.rollout.prompts_per_iteration * cfg.rollout.group_size, num_steps=cfg.sampling.num_steps,
@@ -98,6 +98,21 @@ class Settings:
             activation_bytes=2 if autocast else DTYPE_BYTES[cfg.model.dtype],
             source_image=bool(cfg.prompts.image_column),
         )
+
+
+def reward_models(name: str, kwargs: dict) -> tuple:
+    """The rewards whose networks a run loads: the reward itself and the rewards or CLIP model its
+    kwargs name (an editing reward's instruction reward, its preservation CLIP), where the planner
+    ships their architecture; a remote or CPU reward (OCR, compression) holds no GPU memory."""
+    names = [name]
+    for key, value in kwargs.items():
+        if isinstance(value, dict) and isinstance(value.get("name"), str):
+            names.append(value["name"])
+        elif isinstance(value, str) and key != "name":
+            names.append(value)
+    if kwargs.get("clip_model"):
+        names.append("clip_score")  # a CLIPModel of the id given, CLIP-L by default
+    return tuple(dict.fromkeys(n for n in names if components.reward_component(n) is not None))
 
 
 @dataclass(frozen=True)
@@ -144,7 +159,7 @@ class ModelCount:
     lists: tuple  # BlockList of one denoiser (the experts share a shape)
     unit_width: int  # a UNet's first level channels (0 for a transformer)
     lora_params: dict  # targets -> {rank: params} is computed on demand by lora_count
-    reward: tuple | None
+    rewards: tuple  # (name, params, source) per reward model
 
 
 def _first_linear_width(block: torch.nn.Module) -> int:
@@ -197,9 +212,8 @@ def _lora_count(model_id: str, family: str, targets: tuple, rank: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def count_model(model_id: str, family: str, reward: str) -> ModelCount:
-    reward_part = components.reward_component(reward)
-    reward_tuple = (reward_part.name, reward_part.params, reward_part.source) if reward_part else None
+def count_model(model_id: str, family: str, rewards: tuple) -> ModelCount:
+    reward_tuple = tuple((c.name, c.params, c.source) for c in map(components.reward_component, rewards))
     if model_id.startswith("tiny:"):
         adapter = tiny_adapter(family)
         denoisers = adapter.denoiser_parts()
@@ -286,7 +300,7 @@ def _gb(x: float) -> str:
 
 def plan(s: Settings) -> Plan:
     """The per-GPU memory of the run ``s`` describes (every process holds the same)."""
-    count = count_model(s.model_id, s.family, s.reward)
+    count = count_model(s.model_id, s.family, s.rewards)
     wbytes = DTYPE_BYTES[s.dtype]
     shards = s.gpus if s.gpus > 1 else 1
     fsdp = s.fsdp and shards > 1
@@ -317,8 +331,7 @@ def plan(s: Settings) -> Plan:
     for name, role, params, buffers, _ in count.parts:
         if role not in ("denoiser", "text_encoder"):  # the VAE and any other frozen component
             base.append(Line(f"{name} ({s.dtype})", (params + buffers) * wbytes, "counted", f"{params / 1e6:.0f}M params"))
-    if count.reward:
-        name, params, _ = count.reward
+    for name, params, _ in count.rewards:
         base.append(Line(f"reward model {name} ({s.dtype})", params * wbytes, "counted", f"{params / 1e9:.2f}B params"))
     encoders = [(name, (params + buffers) * wbytes, params) for name, role, params, buffers, _ in count.parts if role == "text_encoder"]
     encoder_lines = [Line(f"{name} ({s.dtype})", b, "counted", f"{p / 1e9:.2f}B params") for name, b, p in encoders]
