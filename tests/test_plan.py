@@ -6,8 +6,6 @@ Counts are checked against hand-computed values on small modules; the recipes' p
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 
 import pytest
 import torch
@@ -107,18 +105,6 @@ def test_fit_table_names_the_smallest_gpu(sd3):
     assert len(rows) == 24
     for label, peak, fit in rows:
         assert fit == next((f"{g} GB" for g in (24, 40, 48, 80) if peak <= g), "-"), label
-
-
-def test_every_shipped_gpu_recipe_plans_offline_in_seconds(capsys, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    start = time.time()
-    assert run_cli("plan", "--all") == 0
-    out = capsys.readouterr().out
-    from diffalign import shipped
-
-    names = [r.name for r in shipped.available() if r.name.split("/")[0] not in ("tiny", "shapes", "accelerate")]
-    assert names and all(f"{name}:" in out for name in names)
-    assert time.time() - start < 60  # every recipe, from cold caches, on a loaded 2-core machine
 
 
 def test_plan_command_errors(capsys):

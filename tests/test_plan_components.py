@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from diffalign.planner import components
-from diffalign.planner.memory import _buffer_elements
 
 # (hub id, component, published size, where it is published)
 PUBLISHED = [
@@ -42,8 +41,8 @@ PUBLISHED = [
 
 
 def _size(model_id: str, component: str) -> int:
-    module = components.build_meta(components.read_config(components.model_folder(model_id) / f"{component}.json"))
-    return sum(p.numel() for p in module.parameters()) + _buffer_elements(module)
+    part = next(c for c in components.model_components(model_id) if c.name == component)
+    return part.params + part.buffers
 
 
 @pytest.mark.parametrize("model_id,component,published,source", PUBLISHED, ids=[f"{m}:{c}" for m, c, _, _ in PUBLISHED])

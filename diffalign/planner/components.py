@@ -84,13 +84,26 @@ class Component:
     name: str
     role: str
     params: int
+    buffers: int  # floating buffer elements (stored in the checkpoint and cast with the weights)
     source: str
     config: dict
 
 
+def _count(config: dict) -> tuple[int, int]:
+    """``(parameters, floating buffer elements)`` of a config's module; one build per distinct
+    architecture (the same CLIP or T5 serves several pipelines)."""
+    return _count_json(json.dumps({k: v for k, v in config.items() if k != "_source"}, sort_keys=True))
+
+
 @functools.lru_cache(maxsize=None)
-def _count(path: Path) -> int:
-    return sum(p.numel() for p in build_meta(read_config(path)).parameters())
+def _meta_json(text: str) -> torch.nn.Module:
+    return build_meta(json.loads(text))
+
+
+@functools.lru_cache(maxsize=None)
+def _count_json(text: str) -> tuple[int, int]:
+    module = _meta_json(text)
+    return sum(p.numel() for p in module.parameters()), sum(b.numel() for b in module.buffers() if b.is_floating_point())
 
 
 def model_components(model_id: str) -> list[Component]:
@@ -99,7 +112,7 @@ def model_components(model_id: str) -> list[Component]:
     parts = []
     for path in sorted(folder.glob("*.json")):
         config = read_config(path)
-        parts.append(Component(path.stem, role(path.stem), _count(path), config.get("_source", str(path)), config))
+        parts.append(Component(path.stem, role(path.stem), *_count(config), config.get("_source", str(path)), config))
     order = {"denoiser": 0, "text_encoder": 1}
     return sorted(parts, key=lambda c: (order.get(c.role, 2), c.name))
 
@@ -111,10 +124,10 @@ def reward_component(name: str) -> Component | None:
     if not path.is_file():
         return None
     config = read_config(path)
-    return Component(name, "reward", _count(path), config.get("_source", str(path)), config)
+    return Component(name, "reward", *_count(config), config.get("_source", str(path)), config)
 
 
-@functools.lru_cache(maxsize=None)
 def meta_denoiser(model_id: str, component: str) -> torch.nn.Module:
-    """A denoiser component of ``model_id`` on the meta device (cached: LoRA counts walk it)."""
-    return build_meta(read_config(model_folder(model_id) / f"{component}.json"))
+    """A denoiser component of ``model_id`` on the meta device (built once: LoRA counts walk it)."""
+    config = read_config(model_folder(model_id) / f"{component}.json")
+    return _meta_json(json.dumps({k: v for k, v in config.items() if k != "_source"}, sort_keys=True))

@@ -158,7 +158,6 @@ class ModelCount:
     denoisers: tuple  # names of the denoiser components (Wan2.2: two experts)
     lists: tuple  # BlockList of one denoiser (the experts share a shape)
     unit_width: int  # a UNet's first level channels (0 for a transformer)
-    lora_params: dict  # targets -> {rank: params} is computed on demand by lora_count
     rewards: tuple  # (name, params, source) per reward model
 
 
@@ -223,16 +222,11 @@ def count_model(model_id: str, family: str, rewards: tuple) -> ModelCount:
                 parts.append((name, components.role(name) if name not in denoisers else "denoiser",
                               sum(p.numel() for p in module.parameters()), _buffer_elements(module), f"{model_id} (built in code)"))
         lists, unit = _denoiser_shape(next(iter(denoisers.values())))
-        return ModelCount(tuple(parts), tuple(denoisers), lists, unit, {}, reward_tuple)
-    parts, denoisers = [], []
-    for c in components.model_components(model_id):
-        module = components.meta_denoiser(model_id, c.name) if c.role == "denoiser" else None
-        buffers = _buffer_elements(module) if module is not None else _buffer_elements(components.build_meta(c.config))
-        parts.append((c.name, c.role, c.params, buffers, c.source))
-        if c.role == "denoiser":
-            denoisers.append(c.name)
+        return ModelCount(tuple(parts), tuple(denoisers), lists, unit, reward_tuple)
+    parts = tuple((c.name, c.role, c.params, c.buffers, c.source) for c in components.model_components(model_id))
+    denoisers = [c[0] for c in parts if c[1] == "denoiser"]
     lists, unit = _denoiser_shape(components.meta_denoiser(model_id, denoisers[0]))
-    return ModelCount(tuple(parts), tuple(denoisers), lists, unit, {}, reward_tuple)
+    return ModelCount(parts, tuple(denoisers), lists, unit, reward_tuple)
 
 
 # ---- activations: measured per block ---------------------------------------------------------
