@@ -170,3 +170,14 @@ def test_measurement_script_finds_a_tiny_recipe_per_measured_family():
     recipes = script.tiny_recipes()
     assert set(activation_table()["families"]) == set(recipes)
     assert not set(MEASURED_AS) & set(recipes)
+
+
+def test_copies_of_the_denoiser_are_counted():
+    """OPD's fused teachers in the model dtype; Sol-RL's NVFP4 copy at 4.5 bits per weight."""
+    transformer = 2.2432e9  # SD3.5 Medium's MMDiT parameters (test_plan_components)
+    opd = plan(Settings.from_config(load_config("sd3/opd_two_teachers", [])))
+    teachers = [line.bytes for line in opd.phases["train"] if line.name.startswith("teacher")]
+    assert teachers == [pytest.approx(transformer * 2, rel=0.01)] * 2
+    sol = plan(Settings.from_config(load_config("sd3/sol_rl_pickscore", [])))
+    large = 8.0566e9  # SD3.5 Large's MMDiT parameters
+    assert _line(sol, "train", "nvfp4 policy copy") == pytest.approx(large * 4.5 / 8, rel=0.01)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 
 from diffalign import shipped
-from tests.helpers.tiny_run import run_cli
+from tests.helpers.tiny_run import ROOT, run_cli
 
 NOT_GPU = ("tiny", "shapes", "accelerate")
 
@@ -25,3 +26,28 @@ def test_every_shipped_gpu_recipe_plans_offline_in_seconds(capsys, monkeypatch):
     assert out.count("phase 'train' is the peak") + out.count("phase 'decode' is the peak") + out.count("phase 'rollout'") + \
         out.count("phase 'encode'") == len(names)
     assert time.time() - start < 60  # every recipe from cold caches (most of it importing diffusers), on a loaded 2-core machine
+
+
+HEADER = re.compile(r"GPU memory per GPU \(`diffalign plan (\S+)((?: [^`]+)?)`, docs/memory.md\):\s+(\d+) GB at the peak")
+
+
+def test_recipe_headers_quote_the_current_plan():
+    """A header's figure is the planner's (rounded to a GB), so that it cannot go stale unseen."""
+    from diffalign.config_files import load_config
+    from diffalign.planner import GB, Settings, plan
+
+    quoted = 0
+    for path in sorted((ROOT / "configs").glob("*/*.yaml")):  # this checkout's files
+        if path.parent.name in NOT_GPU:
+            continue
+        text = " ".join(line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#"))
+        match = HEADER.search(text)
+        if match is None:
+            continue
+        name, flags, figure = match.group(1), match.group(2).split(), int(match.group(3))
+        gpus = int(flags[flags.index("--gpus") + 1]) if "--gpus" in flags else 1
+        overrides = [f for f in flags if "=" in f]
+        peak = plan(Settings.from_config(load_config(str(path), overrides), gpus)).peak / GB
+        assert abs(peak - figure) <= 1, (name, peak, figure)
+        quoted += 1
+    assert quoted >= 15

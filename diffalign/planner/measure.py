@@ -211,14 +211,14 @@ def measure_step(adapter, cfg, *, batch_size: int | None = None, resolution: int
 def coefficients(m: StepMeasure) -> dict:
     """The step's activations in elements per (row x token x width) (fp32 measurements: 4 bytes an
     element): per block of each list, and outside the blocks, the backward's working set and a
-    no-grad forward relative to the first list's rows x tokens x width (a UNet's: latent pixels x
-    first-level channels)."""
+    no-grad forward relative to the rows x tokens x width of the list with the most tokens x width
+    (a UNet's: latent pixels x first-level channels)."""
     def per(n_bytes: float, rows: int, tokens: int, width: int) -> float:
         return round(n_bytes / (rows * tokens * width * MEASURE_ELEMENT_BYTES), 4)
 
     if m.blocks:
-        first = next(iter(m.blocks.values()))
-        ref = (first.rows, first.tokens, first.width)
+        main = max(m.blocks.values(), key=lambda b: (b.tokens * b.width, b.count))  # the widest stream
+        ref = (main.rows, main.tokens, main.width)
         blocks = {name: per(b.per_block, b.rows, b.tokens, b.width) for name, b in m.blocks.items()}
         shapes = {name: {"rows": b.rows, "tokens": b.tokens, "width": b.width} for name, b in m.blocks.items()}
         entry = {"blocks": blocks, "shapes": shapes}

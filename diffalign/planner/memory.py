@@ -38,6 +38,10 @@ ADAMW_8BIT_STATE = 2  # bitsandbytes AdamW8bit: two 8-bit states per parameter (
 FSDP_GATHERED_BLOCKS = 2  # FSDP2 holds the current block's gathered weights and prefetches the next one
 VAE_DECODE_MAPS = 3  # assumed: input, output and residual feature maps alive at the decoder's top level
 PLACEMENTS = ("resident", "offload", "cache")
+# bits per weight of a low-precision policy copy (Sol-RL's algorithm.quant.format); block scales included
+# where the format has them (NVFP4: one fp8 scale per 16 weights; int4: one bf16 scale per 32 weights)
+COPY_BITS = {"full": 32, "bf16": 16, "int8": 8, "fp8": 8, "bnb_int8": 8, "int4": 4.5, "nvfp4": 4.5, "bnb_nf4": 4.5,
+             "quanto_int8": 8, "quanto_fp8": 8, "quanto_int4": 4.5}
 MEASURED_AS = {"flux_kontext": "flux", "qwen_edit": "qwen"}  # editing families run their base family's blocks
 REFERENCE_METHODS = ("spo", "diffusion_dpo")  # always score against the frozen initial model
 
@@ -70,6 +74,7 @@ class Settings:
     gpus: int
     activation_bytes: int
     source_image: bool
+    denoiser_copies: tuple = ()  # (what, bits per weight) of other copies of the denoiser a method holds
 
     @classmethod
     def from_config(cls, cfg, gpus: int = 1) -> "Settings":
@@ -84,6 +89,10 @@ class Settings:
         algo = cfg.algorithm
         reference = getattr(algo, "beta", 0) > 0 or getattr(algo, "kl_beta", 0) > 0 or algo.name in REFERENCE_METHODS
         autocast = cfg.train.mixed_precision != "no" or cfg.model.dtype != "float32"
+        copies = [(f"teacher {i}", 8 * DTYPE_BYTES[cfg.model.dtype]) for i, _ in enumerate(getattr(algo, "teachers", []))]
+        quant = getattr(algo, "quant", None)
+        if quant is not None and getattr(quant, "format", None) in COPY_BITS:
+            copies.append((f"{quant.format} policy copy", COPY_BITS[quant.format]))
         cls_ = adapter_class(family)
         targets = cfg.lora.targets or list(cls_.default_lora_targets)
         return cls(
@@ -96,7 +105,7 @@ class Settings:
             use_8bit_adam=cfg.optim.use_8bit_adam, ema=cfg.train.ema.enabled, reference=reference, text_encoders=placement,
             zero_stage=cfg.train.zero_stage, fsdp=cfg.train.fsdp, gpus=gpus,
             activation_bytes=2 if autocast else DTYPE_BYTES[cfg.model.dtype],
-            source_image=bool(cfg.prompts.image_column),
+            source_image=bool(cfg.prompts.image_column), denoiser_copies=tuple(copies),
         )
 
 
@@ -266,7 +275,8 @@ def activation_lines(s: Settings, count: ModelCount, rows: int, *, grad: bool) -
     """Activations of one forward of ``rows`` rows: saved for backward (``grad``) or the no-grad working set."""
     entry = activation_entry(s.family, s.lora, s.checkpointing)
     scaled = _rows_tokens_width(s, count, rows)
-    first = scaled[0][1] * s.activation_bytes
+    # outside, working set and no-grad forward are relative to the widest stream (measure.coefficients)
+    first = max(n for _, n in scaled) * s.activation_bytes
     how = "measured"
     if not grad:
         return [Line("denoiser forward working set (no grad)", entry["inference"] * first, how,
@@ -322,6 +332,9 @@ def plan(s: Settings) -> Plan:
         base.append(Line(f"LoRA r {s.rank} weights (fp32)", trainable * FP32, "counted", f"{trainable / 1e6:.1f}M params"))
     if s.reference and not s.lora:
         base.append(Line("frozen reference denoiser", denoiser_params * wbytes, "counted", "full fine-tuning with a KL / reference term"))
+    for what, bits in s.denoiser_copies:  # OPD's fused teachers, Sol-RL's low-precision copy
+        base.append(Line(f"{what} of the denoiser", denoiser_params * bits / 8, "counted" if bits >= 8 else "assumed",
+                         f"{bits:g} bits per weight"))
     for name, role, params, buffers, _ in count.parts:
         if role not in ("denoiser", "text_encoder"):  # the VAE and any other frozen component
             base.append(Line(f"{name} ({s.dtype})", (params + buffers) * wbytes, "counted", f"{params / 1e6:.0f}M params"))
