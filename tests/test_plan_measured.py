@@ -39,6 +39,23 @@ def test_estimate_within_20_percent_of_measured_peak(lora, checkpointing):
     assert estimate == pytest.approx(measured.peak, rel=TOLERANCE), (estimate, measured.peak)
 
 
+# Other families, one LoRA and one full fine-tuning case each. Outside 20 % and left out: FLUX.1
+# (+13 to +24 %: its tiny build has one block per list, so one-off allocations of the first call
+# count as per-token figures) and Z-Image (+26 to +89 %: its refiners and a large share outside the
+# blocks); docs/memory.md lists them.
+OTHER_FAMILIES = {"wan": 48, "qwen": 48, "sana": 48, "ltx": 64, "hunyuan_video": 48, "sd15": 48}
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
+def test_other_families_within_20_percent(family):
+    recipe = f"tiny/flow_grpo_ddim_{family}" if family in ("sd15", "sdxl") else f"tiny/flow_grpo_{family}"
+    for lora, checkpointing in ((True, True), (False, False)):
+        cfg = load_config(recipe, [f"lora.enabled={str(lora).lower()}", f"train.gradient_checkpointing={str(checkpointing).lower()}",
+                                   f"train.batch_size={BATCH}", f"model.resolution={OTHER_FAMILIES[family]}", "algorithm.beta=0"])
+        measured = measure_step(load_adapter(cfg.model.id, **cfg.model.options), cfg)
+        assert _estimate(cfg) == pytest.approx(measured.peak, rel=TOLERANCE), (family, lora, checkpointing)
+
+
 def test_checkpointing_lowers_the_measured_and_planned_activations():
     cfg = load_config(RECIPE, [f"train.batch_size={BATCH}", f"model.resolution={RESOLUTION}"])
     s = Settings.from_config(cfg)
