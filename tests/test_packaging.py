@@ -242,6 +242,7 @@ def test_the_wheel_ships_the_license_and_the_build_does_not_warn(wheel_build):
 def test_the_wheel_holds_every_config_demo_and_module_file(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = _files(ROOT / "configs") + _files(ROOT / "demo") + _files(ROOT / "diffalign" / "assets")
+    expected += _files(ROOT / "diffalign" / "planner" / "architectures") + [ROOT / "diffalign" / "planner" / "activations.json"]
     expected += [p for top in ("diffalign", "reward_models", "schedulers") for p in (ROOT / top).rglob("*.py")
                  if "__pycache__" not in p.parts]
     missing = sorted(_in_wheel(p) for p in expected if _in_wheel(p) not in names)
