@@ -181,3 +181,18 @@ def test_copies_of_the_denoiser_are_counted():
     sol = plan(Settings.from_config(load_config("sd3/sol_rl_pickscore", [])))
     large = 8.0566e9  # SD3.5 Large's MMDiT parameters
     assert _line(sol, "train", "nvfp4 policy copy") == pytest.approx(large * 4.5 / 8, rel=0.01)
+
+
+def test_the_check_reads_a_launchs_fsdp_config(monkeypatch):
+    """Under ``accelerate launch --config_file fsdp.yaml`` (ACCELERATE_USE_FSDP) the check plans FSDP
+    over the launch's processes, as the backend shards."""
+    from diffalign.planner import check_fits
+
+    cfg = load_config(RECIPE, ["lora.enabled=false"])
+    free = {"cuda:0": 40 * 10**9}
+    assert "first setting that fits: train.gradient_checkpointing=true train.fsdp=true" in check_fits(cfg, 8, free)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with_fsdp = check_fits(cfg, 8, {"cuda:0": 10**12})
+    assert with_fsdp is None
+    sharded = plan(dataclasses.replace(Settings.from_config(cfg, 8), fsdp=True)).peak
+    assert check_fits(cfg, 8, {"cuda:0": sharded + 1}) is None and check_fits(cfg, 8, {"cuda:0": sharded - 1}) is not None

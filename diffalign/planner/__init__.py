@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+
+from diffalign import distributed
 
 from diffalign.planner.memory import GB, PLACEMENTS, Line, Plan, Settings, plan
 
 __all__ = ["GB", "Line", "Plan", "Settings", "first_fit", "fit_table", "format_plan", "plan", "plan_config", "suggestions"]
 
+DEEPSPEED_STAGE_ENV = "ACCELERATE_DEEPSPEED_ZERO_STAGE"  # set by accelerate launch with a DeepSpeed config
 GPU_SIZES_GB = (24, 40, 48, 80)  # the cards docs/memory.md sizes recipes for
 
 
@@ -42,6 +46,8 @@ def _changes(s: Settings) -> list[tuple[str, dict]]:
         out.append((f"lora.rank={s.rank // 4}", {"rank": s.rank // 4}))
     if s.sample_batch_size > 1:
         out.append((f"rollout.sample_batch_size={max(s.sample_batch_size // 2, 1)}", {"sample_batch_size": max(s.sample_batch_size // 2, 1)}))
+    if s.gpus > 1 and not s.fsdp and not s.zero_stage:
+        out.append(("train.zero_stage=2", {"zero_stage": 2}) if s.lora else ("train.fsdp=true", {"fsdp": True}))
     for gpus in (2, 4, 8):
         if gpus > s.gpus:
             if s.lora:
@@ -117,9 +123,14 @@ def fit_table(s: Settings, sizes_gb=GPU_SIZES_GB) -> list[tuple[str, float, str]
 
 
 def check_fits(cfg, processes: int, free_bytes: dict[str, int]) -> str | None:
-    """None when the plan of ``cfg`` fits every device's free memory in ``free_bytes``; else the one
-    line ``diffalign train`` stops with: the estimate, the free memory and the first setting that fits."""
+    """None when the plan of ``cfg`` on ``processes`` fits every device's free memory in ``free_bytes``;
+    else the one line ``diffalign train`` stops with: the estimate, the free memory and the first
+    setting that fits. FSDP and the ZeRO stage are read as the optimisation backend reads them (the
+    run config, or the launch's accelerate config)."""
     s = Settings.from_config(cfg, processes)
+    # a launch's accelerate config may ask for FSDP or a ZeRO stage that the run config does not name
+    s = dataclasses.replace(s, fsdp=distributed.fsdp_requested(cfg.train.fsdp, cfg.train.zero_stage),
+                            zero_stage=s.zero_stage or int(os.environ.get(DEEPSPEED_STAGE_ENV, "0") or 0))
     p = plan(s)
     device, free = min(free_bytes.items(), key=lambda kv: kv[1])
     if p.peak <= free:
