@@ -15,7 +15,8 @@ import os
 
 from diffalign import distributed
 
-from diffalign.planner.memory import GB, PLACEMENTS, Line, Plan, Settings, plan
+from diffalign.planner.memory import GB, Line, Plan, Settings, plan
+from diffalign.training.text_encoders import PLACEMENTS
 
 __all__ = ["GB", "Line", "Plan", "Settings", "first_fit", "fit_table", "format_plan", "plan", "plan_config", "suggestions"]
 

@@ -28,6 +28,7 @@ from diffalign.adapters import adapter_class, load_adapter, model_family
 from diffalign.errors import ConfigError
 from diffalign.planner import components, geometry
 from diffalign.planner.measure import block_lists, probe_tokens
+from diffalign.training.text_encoders import PLACEMENTS, device_residency
 
 ACTIVATIONS = Path(__file__).with_name("activations.json")
 GB = 1e9
@@ -37,7 +38,6 @@ ADAMW_STATE = 2 * FP32  # exp_avg, exp_avg_sq
 ADAMW_8BIT_STATE = 2  # bitsandbytes AdamW8bit: two 8-bit states per parameter (block scales are negligible)
 FSDP_GATHERED_BLOCKS = 2  # FSDP2 holds the current block's gathered weights and prefetches the next one
 VAE_DECODE_MAPS = 3  # assumed: input, output and residual feature maps alive at the decoder's top level
-PLACEMENTS = ("resident", "offload", "cache")
 # bits per weight of a low-precision policy copy (Sol-RL's algorithm.quant.format); block scales included
 # where the format has them (NVFP4: one fp8 scale per 16 weights; int4: one bf16 scale per 32 weights)
 COPY_BITS = {"full": 32, "bf16": 16, "int8": 8, "fp8": 8, "bnb_int8": 8, "int4": 4.5, "nvfp4": 4.5, "bnb_nf4": 4.5,
@@ -62,7 +62,7 @@ class Settings:
     checkpointing: bool
     batch_size: int
     sample_batch_size: int
-    cfg_rows: int  # 2 with CFG (one batched forward of conditional and unconditional rows), else 1
+    cfg_rows: int  # training forwards: 2 with CFG (one batched forward of conditional and unconditional rows), else 1
     samples_per_iteration: int
     num_steps: int
     use_8bit_adam: bool
@@ -74,6 +74,8 @@ class Settings:
     gpus: int
     activation_bytes: int
     source_image: bool
+    sample_cfg_rows: int = 1  # the rollout's forwards, as cfg_rows
+    offload_samples: bool = False  # rollout.offload_samples: the rollout's samples in CPU memory, a micro-batch at a time on the GPU
     denoiser_copies: tuple = ()  # (what, bits per weight) of other copies of the denoiser a method holds
 
     @classmethod
@@ -83,11 +85,12 @@ class Settings:
             raise ConfigError(f"config key 'model.family': set it for hub model {cfg.model.id!r} (the planner reads no Hub files)")
         if family not in geometry.LAYOUTS:
             raise ConfigError(f"config key 'model.family': the planner has no latent layout for family {family!r}")
-        placement = getattr(cfg.model, "text_encoders", "resident")
-        if placement not in PLACEMENTS:
-            raise ConfigError(f"config key 'model.text_encoders' must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
+        placement = cfg.model.text_encoders
+        device_residency(placement)  # a placement the run knows
         algo = cfg.algorithm
         reference = getattr(algo, "beta", 0) > 0 or getattr(algo, "kl_beta", 0) > 0 or algo.name in REFERENCE_METHODS
+        # a method that trains at its own CFG scale says so (DGPO's train_guidance_scale); else the sampling one
+        train_scale = getattr(algo, "train_guidance_scale", cfg.sampling.guidance_scale)
         autocast = cfg.train.mixed_precision != "no" or cfg.model.dtype != "float32"
         copies = [(f"teacher {i}", 8 * DTYPE_BYTES[cfg.model.dtype]) for i, _ in enumerate(getattr(algo, "teachers", []))]
         quant = getattr(algo, "quant", None)
@@ -100,12 +103,14 @@ class Settings:
             resolution=cfg.model.resolution or cls_.default_resolution, options=dict(cfg.model.options),
             rewards=reward_models(cfg.reward.name, cfg.reward.kwargs), lora=cfg.lora.enabled, rank=cfg.lora.rank, targets=tuple(targets),
             checkpointing=cfg.train.gradient_checkpointing, batch_size=cfg.train.batch_size,
-            sample_batch_size=cfg.rollout.sample_batch_size, cfg_rows=2 if cfg.sampling.guidance_scale > 1 else 1,
+            sample_batch_size=cfg.rollout.sample_batch_size, cfg_rows=2 if train_scale > 1 else 1,
+            sample_cfg_rows=2 if cfg.sampling.guidance_scale > 1 else 1,
             samples_per_iteration=cfg.rollout.prompts_per_iteration * cfg.rollout.group_size, num_steps=cfg.sampling.num_steps,
             use_8bit_adam=cfg.optim.use_8bit_adam, ema=cfg.train.ema.enabled, reference=reference, text_encoders=placement,
             zero_stage=cfg.train.zero_stage, fsdp=cfg.train.fsdp, gpus=gpus,
             activation_bytes=2 if autocast else DTYPE_BYTES[cfg.model.dtype],
             source_image=bool(cfg.prompts.image_column), denoiser_copies=tuple(copies),
+            offload_samples=cfg.rollout.offload_samples,
         )
 
 
@@ -342,7 +347,8 @@ def plan(s: Settings) -> Plan:
         base.append(Line(f"reward model {name} ({s.dtype})", params * wbytes, "counted", f"{params / 1e9:.2f}B params"))
     encoders = [(name, (params + buffers) * wbytes, params) for name, role, params, buffers, _ in count.parts if role == "text_encoder"]
     encoder_lines = [Line(f"{name} ({s.dtype})", b, "counted", f"{p / 1e9:.2f}B params") for name, b, p in encoders]
-    if s.text_encoders == "resident":
+    residency = device_residency(s.text_encoders)  # what training.text_encoders keeps on the device
+    if residency.encoders_between_encodings:
         base.extend(encoder_lines)
 
     opt_state = ADAMW_8BIT_STATE if s.use_8bit_adam else ADAMW_STATE
@@ -355,17 +361,20 @@ def plan(s: Settings) -> Plan:
     grads = Line(f"gradients (fp32{f', sharded over {grad_shards}' if grad_shards > 1 else ''})", trainable * FP32 / grad_shards, "counted")
 
     latent_elems = _latent_elements(s)
-    trajectories = Line(f"rollout trajectories ({s.samples_per_iteration} samples x {s.num_steps + 1} latents, fp32)",
-                        s.samples_per_iteration * (s.num_steps + 1) * latent_elems * FP32, "counted")
+    on_device = min(s.batch_size, s.samples_per_iteration) if s.offload_samples else s.samples_per_iteration
+    trajectories = Line(f"rollout trajectories ({on_device} samples x {s.num_steps + 1} latents, fp32"
+                        f"{'; the rest in CPU memory' if s.offload_samples else ''})",
+                        on_device * (s.num_steps + 1) * latent_elems * FP32, "counted")
 
     phases: dict[str, list[Line]] = {}
-    if s.text_encoders != "resident":
-        placed = "each iteration" if s.text_encoders == "offload" else "once at start, before the optimizer exists"
-        extra = state if s.text_encoders == "offload" else []
+    if not residency.encoders_between_encodings:
+        # offload: each iteration's encodings, beside the trainable state; cache: once at start, before it exists
+        placed = "each iteration" if residency.encoders_while_encoding else "once at start, before the optimizer exists"
+        extra = state if residency.encoders_while_encoding else []
         phases["encode"] = [*base, *extra, *[dataclasses.replace(l, note=f"{l.note}; on the GPU {placed}") for l in encoder_lines]]
     else:
         phases["encode"] = [*base, *state]
-    sample_rows = s.sample_batch_size * s.cfg_rows
+    sample_rows = s.sample_batch_size * s.sample_cfg_rows
     phases["rollout"] = [*base, *state, trajectories,
                          *activation_lines(s, count, sample_rows, grad=False)]
     phases["decode"] = [*base, *state, trajectories, _vae_line(s)]
