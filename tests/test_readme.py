@@ -8,7 +8,7 @@ import re
 from tests.helpers.tiny_run import ROOT
 
 README = ROOT / "README.md"
-RECIPE_DIRS = ("accelerate", "flux", "sana", "sd15", "sd3", "sdxl", "shapes", "tiny")
+RECIPE_DIRS = tuple(sorted(d.name for d in (ROOT / "configs").iterdir() if d.is_dir() and not d.name.startswith("_")))
 
 
 def _braces(text: str) -> list[str]:
