@@ -196,3 +196,19 @@ def test_the_check_reads_a_launchs_fsdp_config(monkeypatch):
     assert with_fsdp is None
     sharded = plan(dataclasses.replace(Settings.from_config(cfg, 8), fsdp=True)).peak
     assert check_fits(cfg, 8, {"cuda:0": sharded + 1}) is None and check_fits(cfg, 8, {"cuda:0": sharded - 1}) is not None
+
+
+def test_context_parallel_divides_the_blocks_activations_only():
+    """``train.context_parallel=2``: each process holds half of a sample's tokens inside the blocks;
+    the activations outside them, the weights and the trainable state stay whole."""
+    flux = Settings.from_config(load_config("flux/flow_grpo_pickscore", []))
+    split = Settings.from_config(load_config("flux/flow_grpo_pickscore", ["train.context_parallel=2"]))
+    assert (flux.context_parallel, split.context_parallel) == (1, 2)
+    one, two = plan(flux), plan(split)
+    blocks = lambda p: _line(p, "train", "saved activations: ")  # noqa: E731
+    assert blocks(two) == pytest.approx(blocks(one) / 2) and blocks(one) > 0
+    for prefix in ("saved activations outside", "backward working set", "gradients", "optimizer states", "transformer weights"):
+        assert _line(two, "train", prefix) == _line(one, "train", prefix), prefix
+    rollout = lambda p: _line(p, "rollout", "denoiser forward working set")  # noqa: E731
+    assert rollout(two) == pytest.approx(rollout(one) / 2)
+    assert two.peak < one.peak

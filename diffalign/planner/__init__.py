@@ -91,7 +91,8 @@ def format_plan(p: Plan, gpu_memory_gb: float | None = None, name: str = "") -> 
     head = (f"{name or s.model_id}: {s.family}, {s.resolution} px, {'LoRA r ' + str(s.rank) if s.lora else 'full fine-tuning'}, "
             f"micro-batch {s.batch_size}{' x2 (CFG)' if s.cfg_rows == 2 else ''}, checkpointing {'on' if s.checkpointing else 'off'}, "
             f"text encoders {s.text_encoders}, {s.gpus} GPU{'s' if s.gpus > 1 else ''}"
-            f"{f', ZeRO-{s.zero_stage}' if s.zero_stage else ''}{', FSDP2' if s.fsdp else ''}")
+            f"{f', ZeRO-{s.zero_stage}' if s.zero_stage else ''}{', FSDP2' if s.fsdp else ''}"
+            f"{f', context parallel {s.context_parallel}' if s.context_parallel > 1 else ''}")
     out = [head, f"per GPU (each of {s.gpus}), phase '{p.peak_phase}' is the peak:"]
     width = max(len(line.name) for line in p.phases[p.peak_phase])
     for line in p.phases[p.peak_phase]:

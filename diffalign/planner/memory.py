@@ -77,6 +77,7 @@ class Settings:
     sample_cfg_rows: int = 1  # the rollout's forwards, as cfg_rows
     offload_samples: bool = False  # rollout.offload_samples: the rollout's samples in CPU memory, a micro-batch at a time on the GPU
     denoiser_copies: tuple = ()  # (what, bits per weight) of other copies of the denoiser a method holds
+    context_parallel: int = 1  # train.context_parallel: each sample's tokens split over this many processes inside the blocks
 
     @classmethod
     def from_config(cls, cfg, gpus: int = 1) -> "Settings":
@@ -110,7 +111,7 @@ class Settings:
             zero_stage=cfg.train.zero_stage, fsdp=cfg.train.fsdp, gpus=gpus,
             activation_bytes=2 if autocast else DTYPE_BYTES[cfg.model.dtype],
             source_image=bool(cfg.prompts.image_column), denoiser_copies=tuple(copies),
-            offload_samples=cfg.rollout.offload_samples,
+            offload_samples=cfg.rollout.offload_samples, context_parallel=cfg.train.context_parallel,
         )
 
 
@@ -283,9 +284,13 @@ def activation_lines(s: Settings, count: ModelCount, rows: int, *, grad: bool) -
     # outside, working set and no-grad forward are relative to the widest stream (measure.coefficients)
     first = max(n for _, n in scaled) * s.activation_bytes
     how = "measured"
+    # context parallelism: inside the blocks each process holds tokens / C (attention: all tokens, heads / C,
+    # the same elements); what runs outside the blocks is held whole by every process of a group
+    cp = s.context_parallel
+    split = f" / {cp} (context parallel)" if cp > 1 else ""
     if not grad:
-        return [Line("denoiser forward working set (no grad)", entry["inference"] * first, how,
-                     f"{entry['inference']:.2f} x rows x tokens x width x {s.activation_bytes} B")]
+        return [Line("denoiser forward working set (no grad)", entry["inference"] * first / cp, how,
+                     f"{entry['inference']:.2f} x rows x tokens x width x {s.activation_bytes} B{split}")]
     lines = []
     for bl, n in scaled:
         if bl is None:
@@ -295,8 +300,8 @@ def activation_lines(s: Settings, count: ModelCount, rows: int, *, grad: bool) -
         c = entry["blocks"].get(bl.name)
         if c is None:
             raise ConfigError(f"config key 'model.id': {ACTIVATIONS.name} has no block list {bl.name!r} for {s.family!r}")
-        lines.append(Line(f"saved activations: {bl.count} x {bl.name}", c * n * s.activation_bytes * bl.count, how,
-                          f"{c:.2f} x rows x tokens x width x {s.activation_bytes} B per block"))
+        lines.append(Line(f"saved activations: {bl.count} x {bl.name}", c * n * s.activation_bytes * bl.count / cp, how,
+                          f"{c:.2f} x rows x tokens x width x {s.activation_bytes} B per block{split}"))
     lines.append(Line("saved activations outside the blocks", entry["outside"] * first, how))
     lines.append(Line("backward working set", max(entry["transient"], 0.0) * first, how))
     return lines
