@@ -253,7 +253,7 @@ def format_table(rows: dict[str, dict]) -> str:
 
 
 # ---- architecture ---------------------------------------------------------------------------
-# The flags that reproduce the shipped model (its state: scripts/pretrain_state/shapes-t2i-bert):
+# The flags that reproduce the shipped model (its state: git checkout ac8de61 -- scripts/pretrain_state/shapes-t2i-bert):
 # the defaults' UNet with a bidirectional prompt encoder, which reads the relation word where the
 # causal CLIP one cannot; stopped at step 4,500 of the schedule, the last validation checkpoint
 # whose per-image pass rate leaves room to align (docs/shapes_world.md).

@@ -44,7 +44,7 @@ def test_architecture_flags_follow_the_state_record(plateau):
                              "coordinate_channels": True}, "timestep_shift": 2.0}
     assert plateau.architecture_flags(info) == ["--text-encoder", "bert", "--cross-attention-levels", "2",
                                                 "--no-text-time-embedding", "--coordinate-channels", "--timestep-shift", "2"]
-    shipped = json.loads((ROOT / "scripts" / "pretrain_state" / "shapes-t2i-bert" / "state.json").read_text())
+    shipped = json.loads((ROOT / "scripts" / "pretrain_state" / "shapes-t2i-bert-12k-step008500" / "state.json").read_text())
     assert plateau.architecture_flags(shipped)[:2] == ["--text-encoder", "bert"]
 
 
