@@ -33,6 +33,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from diffalign.algorithms.flow_grpo import gaussian_mean_kl
+
 
 def transition_kl(student_mean: torch.Tensor, teacher_mean: torch.Tensor, variance: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-sample mean-matching KL of one denoising step, (B,).
@@ -44,11 +46,9 @@ def transition_kl(student_mean: torch.Tensor, teacher_mean: torch.Tensor, varian
             where the KL's ``1 / (2 s^2)`` becomes ``1 / 2`` (the reference's ``noise_level = 0`` branch).
     Returns ``mean_elements((mu_S - mu_T)^2) / (2 variance)`` or ``0.5 mean_elements((mu_S - mu_T)^2)``; math in fp32.
     """
-    delta = student_mean.float() - teacher_mean.detach().float()
-    sq = (delta**2).flatten(1).mean(dim=1)
-    if variance is None:
-        return 0.5 * sq
-    return sq / (2.0 * variance.float().reshape(-1).clamp_min(1e-8))  # the reference's clamp of sigma^2
+    # the KL of two Gaussian steps with one std (flow_grpo.gaussian_mean_kl); ODE rollouts: std 1
+    std = torch.ones((), device=student_mean.device) if variance is None else variance.float().reshape(-1).clamp_min(1e-8).sqrt()
+    return gaussian_mean_kl(student_mean, teacher_mean.detach(), std)  # the reference's clamp of sigma^2 above
 
 
 @dataclass
